@@ -1,0 +1,344 @@
+"""The public entry points: validation, broadcasting and strides, then the binding.
+
+No arithmetic happens here. Every input is checked, and every bad one raises
+a TypeError or ValueError naming the argument, what it got and what it needs,
+before anything is written. The arrays then reach the C kernel as 4-D
+(batch, head, row, column) views: broadcast axes get stride 0 and strided
+views (q, k, v sliced out of a fused projection) are passed as they are; only
+an input whose last axis is not contiguous, or whose data is misaligned or
+byte-swapped, is copied.
+"""
+import math
+import operator
+
+import numpy as np
+
+from fastattn import _kernel
+
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+_CAUSAL = {False: (0, 0), None: (0, 0), True: (1, 0), "bottom_right": (1, 0), "top_left": (1, 1)}
+
+
+def _shape(x):
+    return tuple(int(n) for n in x.shape)
+
+
+def _as_input(x, name):
+    """np.asarray, then the dtype and rank checks every tensor input shares."""
+    a = np.asarray(x)
+    if a.ndim < 2:
+        raise ValueError(
+            f"{name} must have at least 2 dimensions (..., rows, head_dim); got shape {_shape(a)}")
+    if a.dtype.kind != "f" or a.dtype.itemsize not in (4, 8):
+        what = "float16" if a.dtype.kind == "f" and a.dtype.itemsize == 2 else str(a.dtype)
+        raise TypeError(f"{name} must be float32 or float64; got {what}")
+    return a
+
+
+def _kernel_ready(a):
+    """The array itself when C can read it in place, else the smallest copy
+    that it can: last axis contiguous, aligned, native byte order."""
+    if not a.dtype.isnative:
+        a = a.astype(a.dtype.newbyteorder("="))
+    if a.shape[-1] > 1 and a.strides[-1] != a.itemsize or not a.flags.aligned:
+        a = np.ascontiguousarray(a)
+    if any(s % a.itemsize for s in a.strides):
+        a = np.ascontiguousarray(a)
+    return a
+
+
+def _heads(a):
+    return a.shape[-3] if a.ndim >= 3 else 1
+
+
+def _as_4d(a, batch):
+    """(*batch, H, R, C) by broadcasting (stride 0), a head axis added to 2-D."""
+    if a.ndim == 2:
+        a = a[None]
+    return np.broadcast_to(a, batch + a.shape[-3:])
+
+
+def _merge_batch(a, nbatch):
+    """(*batch, H, R, C) → (B, H, R, C) as a view, or None when the batch axes
+    cannot share one stride (then the caller loops over the outer ones)."""
+    if nbatch == 0:
+        return a[None]
+    if nbatch == 1:
+        return a
+    shape, strides = a.shape[:nbatch], a.strides[:nbatch]
+    kept = [(n, s) for n, s in zip(shape, strides) if n != 1]
+    for (n_outer, s_outer), (n_inner, s_inner) in zip(kept, kept[1:]):
+        if s_outer != s_inner * n_inner:
+            return None
+    stride = kept[-1][1] if kept else 0
+    return np.lib.stride_tricks.as_strided(
+        a, (math.prod(shape),) + a.shape[nbatch:], (stride,) + a.strides[nbatch:],
+        writeable=a.flags.writeable)
+
+
+def _check_mask(mask, dtype, scores_shape):
+    m = np.asarray(mask)
+    if m.dtype == np.bool_:
+        m = m.view(np.uint8)
+    elif m.dtype.kind == "f":
+        m = m.astype(dtype, copy=False)
+    else:
+        raise TypeError(
+            f"mask must be bool (True = may attend) or floating (added to the scores); got {m.dtype}")
+    try:
+        full = np.broadcast_shapes(m.shape, scores_shape)
+    except ValueError:
+        full = None
+    if full != scores_shape:
+        raise ValueError(
+            f"mask of shape {_shape(m)} does not broadcast to the scores' shape "
+            f"{scores_shape} (..., L, S)")
+    # Any strides will do (C takes all four), but aligned, native and whole elements.
+    if not m.dtype.isnative or not m.flags.aligned or any(s % m.itemsize for s in m.strides):
+        m = np.ascontiguousarray(m).astype(m.dtype.newbyteorder("="), copy=False)
+    return m
+
+
+def _check_window(window):
+    if window is None:
+        return -1, -1
+    try:
+        left, right = (operator.index(w) for w in window)
+    except (TypeError, ValueError):
+        raise TypeError(f"window must be None or a pair of ints (left, right); got {window!r}") from None
+    if left < -1 or right < -1:
+        raise ValueError(
+            f"window must be (left, right) with each >= -1 (-1: unbounded); got ({left}, {right})")
+    return left, right
+
+
+def _check_kv_lengths(kv_lengths, batch, S):
+    lens = np.asarray(kv_lengths)
+    if lens.dtype.kind not in "iu":
+        raise TypeError(f"kv_lengths must be integers; got {lens.dtype}")
+    try:
+        lens = np.broadcast_to(lens, batch)
+    except ValueError:
+        raise ValueError(
+            f"kv_lengths of shape {_shape(lens)} does not broadcast to the batch shape {batch}") from None
+    if lens.size and (lens.min() < 0 or lens.max() > S):
+        raise ValueError(
+            f"kv_lengths must lie in [0, S={S}]; got values from {lens.min()} to {lens.max()}")
+    return np.ascontiguousarray(lens, dtype=np.int64)
+
+
+def _check_out(out, shape, dtype, inputs):
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"out must be a NumPy array; got {type(out).__name__}")
+    if _shape(out) != shape:
+        raise ValueError(f"out must have shape {shape}; got {_shape(out)}")
+    if out.dtype != dtype:
+        raise TypeError(f"out must have dtype {dtype} (the inputs'); got {out.dtype}")
+    if not out.flags.writeable:
+        raise ValueError("out must be writeable; got a read-only array")
+    if not out.dtype.isnative or not out.flags.aligned or (
+            shape[-1] > 1 and out.strides[-1] != out.itemsize):
+        raise ValueError(
+            "out must be aligned, in native byte order, with a contiguous last axis; "
+            f"got strides {out.strides}")
+    for name, x in inputs:
+        if x is not None and np.may_share_memory(out, x):
+            raise ValueError(f"out must not overlap its inputs; it shares memory with {name}")
+
+
+def _scale(scale, E):
+    if scale is None:
+        return 1.0 / math.sqrt(E)
+    try:
+        s = float(scale)
+    except (TypeError, ValueError):
+        raise TypeError(f"scale must be a real number; got {scale!r}") from None
+    if not math.isfinite(s):
+        raise ValueError(f"scale must be finite; got {s}")
+    return s
+
+
+def _threads(num_threads):
+    if num_threads is None:
+        return 0
+    try:
+        n = operator.index(num_threads)
+    except TypeError:
+        raise TypeError(f"num_threads must be an int or None; got {num_threads!r}") from None
+    if n < 1:
+        raise ValueError(f"num_threads must be >= 1 (or None for the OpenMP default); got {n}")
+    return n
+
+
+def attention(q, k, v, *, mask=None, causal=False, window=None, kv_lengths=None,
+              scale=None, out=None, return_lse=False, num_threads=None):
+    """Scaled dot-product attention, ``softmax(q kᵀ · scale + mask) v``.
+
+    Parameters
+    ----------
+    q : array_like, (..., Hq, L, E) or (L, E)
+        Queries. The head axis is the third from last; axes before it are
+        batch axes and broadcast as in NumPy. float32 or float64.
+    k : array_like, (..., Hkv, S, E) or (S, E)
+        Keys, same dtype. ``Hq`` must be a multiple of ``Hkv``: query head
+        ``h`` reads key/value head ``h // (Hq // Hkv)`` (grouped-query
+        attention; ``Hkv == 1`` is multi-query).
+    v : array_like, (..., Hkv, S, Ev) or (S, Ev)
+        Values, same dtype.
+    mask : array_like, optional
+        Broadcastable to (..., Hq, L, S). bool: True means the key may be
+        attended; floating: added to the scaled scores (-inf hides a key).
+    causal : {False, True, "bottom_right", "top_left"}
+        ``True``/``"bottom_right"``: query row i is key position
+        ``i + S_b - L`` (the last L of the valid keys, as when decoding with a
+        KV cache) and sees keys up to it. ``"top_left"``: row i sees keys
+        ``j <= i`` (PyTorch's ``is_causal``). Equal when L == S.
+    window : (int, int), optional
+        ``(left, right)``: key j is visible iff ``d - left <= j <= d + right``
+        with ``d`` the row's diagonal in the causal alignment in use
+        (bottom-right unless ``causal="top_left"``); -1 is unbounded.
+    kv_lengths : array_like of int, optional
+        Broadcastable to the batch shape: keys at positions ``>= kv_lengths[b]``
+        are invisible for batch entry b (and bottom-right alignment counts from
+        that length).
+    scale : float, optional
+        Multiplies the scores; default ``1 / sqrt(E)``.
+    out : ndarray, optional
+        Filled in place and returned; shape (..., Hq, L, Ev), the inputs' dtype.
+        Untouched when an argument is rejected.
+    return_lse : bool
+        Also return the natural log-sum-exp of each row's scores, (..., Hq, L).
+    num_threads : int, optional
+        OpenMP threads; default ``omp_get_max_threads()`` (so
+        ``OMP_NUM_THREADS`` and threadpoolctl apply). The result is bitwise the
+        same for every value.
+
+    Returns
+    -------
+    out : ndarray, (..., Hq, L, Ev)
+        A row with no visible key is 0 (its lse is -inf), never NaN.
+    lse : ndarray, (..., Hq, L)
+        Only with ``return_lse=True``.
+    """
+    q = _as_input(q, "q")
+    k = _as_input(k, "k")
+    v = _as_input(v, "v")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(
+            f"q, k and v must have the same dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    dtype = q.dtype.newbyteorder("=")
+    L, E = q.shape[-2:]
+    S, E_k = k.shape[-2:]
+    S_v, Ev = v.shape[-2:]
+    if E_k != E:
+        raise ValueError(f"k's last axis must equal q's (E): q has E={E}, k has {E_k}")
+    if S_v != S:
+        raise ValueError(f"v must have as many rows as k (S): k has S={S}, v has {S_v}")
+    if E < 1 or Ev < 1:
+        raise ValueError(f"head dims must be at least 1; got E={E}, Ev={Ev}")
+    Hq, Hkv = _heads(q), _heads(k)
+    if _heads(v) != Hkv:
+        raise ValueError(f"k and v must have the same number of heads; got {Hkv} and {_heads(v)}")
+    if Hq % Hkv:
+        raise ValueError(
+            f"q's heads (Hq={Hq}) must be a multiple of k's and v's heads (Hkv={Hkv}) "
+            "for grouped-query attention")
+    try:
+        batch = np.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
+    except ValueError:
+        raise ValueError(
+            f"the leading (batch) shapes of q {_shape(q)[:-3]}, k {_shape(k)[:-3]} and "
+            f"v {_shape(v)[:-3]} do not broadcast") from None
+    has_heads = max(q.ndim, k.ndim, v.ndim) >= 3
+    lead = batch + (Hq,) if has_heads else ()
+    out_shape = lead + (L, Ev)
+
+    causal_flag, align = _causal(causal)
+    wl, wr = _check_window(window)
+    s = _scale(scale, E)
+    nt = _threads(num_threads)
+    m = None if mask is None else _check_mask(mask, dtype, lead + (L, S))
+    lens = None if kv_lengths is None else _check_kv_lengths(kv_lengths, batch, S)
+    if out is not None:
+        _check_out(out, out_shape, dtype, (("q", q), ("k", k), ("v", v), ("mask", mask),
+                                          ("kv_lengths", kv_lengths)))
+    else:
+        out = np.empty(out_shape, dtype)
+    lse = np.empty(lead + (L,), dtype) if return_lse else None
+
+    q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
+    calls = _calls(batch, q, k, v, out, lse, m, lens, Hq, L, S)
+    # Check every call before running any, so an error leaves out untouched.
+    for check_only in (True, False):
+        for c in calls:
+            _kernel.attention(c["q"], c["k"], c["v"], c["out"], c["lse"], c["mask"], causal_flag,
+                              align, wl, wr, c["lens"], s, nt, check_only)
+    return (out, lse) if return_lse else out
+
+
+def _causal(causal):
+    try:
+        return _CAUSAL[causal]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"causal must be False, True, 'bottom_right' or 'top_left'; got {causal!r}") from None
+
+
+def _calls(batch, q, k, v, out, lse, mask, lens, Hq, L, S):
+    """The kernel calls that cover the batch: one when every tensor's batch
+    axes merge into one strided axis, else one per index of the outer axes."""
+    nb = len(batch)
+    out4 = out if out.ndim == nb + 3 else out[None]
+    lse4 = None if lse is None else (lse if lse.ndim == nb + 2 else lse[None])
+    full = {
+        "q": _as_4d(q, batch), "k": _as_4d(k, batch), "v": _as_4d(v, batch), "out": out4,
+        "lse": None if lse4 is None else lse4[..., None],
+        "mask": None if mask is None else np.broadcast_to(mask, batch + (Hq, L, S)),
+        "lens": lens,
+    }
+    merged = {n: (a if a is None or n == "lens" else _merge_batch(a, nb)) for n, a in full.items()}
+    if all(a is not None for n, a in merged.items() if full[n] is not None):
+        if lens is not None:
+            merged["lens"] = lens.reshape(-1)
+        if merged["lse"] is not None:
+            merged["lse"] = merged["lse"][..., 0]
+        return [merged]
+    calls = []
+    for idx in np.ndindex(batch[:-1]):
+        c = {n: (None if a is None else a[idx]) for n, a in full.items()}
+        if c["lens"] is not None:
+            c["lens"] = np.ascontiguousarray(c["lens"])
+        if c["lse"] is not None:
+            c["lse"] = c["lse"][..., 0]
+        calls.append(c)
+    return calls
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, scale=None, enable_gqa=False):
+    """PyTorch's ``torch.nn.functional.scaled_dot_product_attention`` on NumPy arrays.
+
+    Same parameters and meaning: ``is_causal`` is the top-left triangle
+    (row i sees keys ``j <= i``); a bool ``attn_mask`` is True where a key may
+    be attended, a float one is added to the scores; ``attn_mask`` and
+    ``is_causal`` cannot be combined; different head counts need
+    ``enable_gqa=True``. One difference: a row with no visible key returns
+    zeros here. This is an inference kernel, so ``dropout_p`` must be 0.
+
+    Returns
+    -------
+    ndarray
+        (..., Hq, L, Ev), the inputs' dtype.
+    """
+    if dropout_p != 0:
+        raise ValueError(
+            f"dropout_p must be 0.0: fastattn is an inference kernel with no dropout; got {dropout_p}")
+    if attn_mask is not None and is_causal:
+        raise ValueError("attn_mask and is_causal=True cannot be combined (as in PyTorch); pass one")
+    q, k = np.asarray(query), np.asarray(key)
+    if not enable_gqa and q.ndim >= 3 and k.ndim >= 3 and q.shape[-3] != k.shape[-3]:
+        raise ValueError(
+            f"query has {q.shape[-3]} heads and key {k.shape[-3]}: different head counts need "
+            "enable_gqa=True")
+    return attention(q, k, value, mask=attn_mask, causal="top_left" if is_causal else False,
+                     scale=scale)

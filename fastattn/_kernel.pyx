@@ -1,0 +1,140 @@
+# cython: language_level=3
+"""Thin binding to the C kernel (src_c/fastattn.h).
+
+Takes arrays that fastattn._api has already validated and laid out as 4-D
+(batch, head, row, column) views, fills one fa_args, releases the GIL for the
+call and turns an error code into an exception whose sentence comes from C.
+No arithmetic and no validation of its own beyond what C checks.
+"""
+cimport numpy as cnp
+from libc.stdint cimport int64_t, uintptr_t
+
+cnp.import_array()
+
+cdef extern from "fastattn.h" nogil:
+    ctypedef struct fa_args:
+        int dtype
+        int64_t B, Hq, Hkv, L, S, E, Ev
+        const void *q
+        const void *k
+        const void *v
+        void *out
+        int64_t q_stride[3]
+        int64_t k_stride[3]
+        int64_t v_stride[3]
+        int64_t out_stride[3]
+        double scale
+        int mask_kind
+        const void *mask
+        int64_t mask_stride[4]
+        int causal
+        int align
+        int64_t window_left, window_right
+        const int64_t *kv_len
+        void *lse
+        int64_t lse_stride[3]
+        int num_threads
+    int FA_F32, FA_F64, FA_MASK_NONE, FA_MASK_BOOL, FA_MASK_ADD, FA_ERR_NOMEM
+    void fa_args_init(fa_args *args)
+    int fa_attention(const fa_args *args)
+    int fa_check(const fa_args *args)
+    const char *fa_strerror(int code)
+    const char *fa_isa()
+    int fa_set_isa(const char *name)
+    int fa_isa_supported(const char *name)
+    int fa_openmp()
+    int fa_max_threads()
+
+ISAS = ("avx512", "avx2", "sse2", "neon", "scalar")
+
+
+cdef void _strides(cnp.ndarray x, int64_t *dst, int n):
+    # element strides of the first n axes (the last axis is contiguous)
+    cdef int i
+    for i in range(n):
+        dst[i] = cnp.PyArray_STRIDE(x, i) // cnp.PyArray_ITEMSIZE(x)
+
+
+cdef int _fill(fa_args *a, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
+               object lse, object mask, int causal, int align, int64_t wl, int64_t wr,
+               object kv_len, double scale, int num_threads) except -1:
+    fa_args_init(a)
+    a.dtype = FA_F32 if q.dtype.itemsize == 4 else FA_F64
+    a.B, a.Hq, a.L, a.E = q.shape[0], q.shape[1], q.shape[2], q.shape[3]
+    a.Hkv, a.S, a.Ev = k.shape[1], k.shape[2], v.shape[3]
+    a.q, a.k, a.v = cnp.PyArray_DATA(q), cnp.PyArray_DATA(k), cnp.PyArray_DATA(v)
+    a.out = cnp.PyArray_DATA(out)
+    _strides(q, a.q_stride, 3)
+    _strides(k, a.k_stride, 3)
+    _strides(v, a.v_stride, 3)
+    _strides(out, a.out_stride, 3)
+    a.scale = scale
+    if mask is not None:
+        a.mask_kind = FA_MASK_BOOL if (<cnp.ndarray>mask).dtype.itemsize == 1 else FA_MASK_ADD
+        a.mask = cnp.PyArray_DATA(<cnp.ndarray>mask)
+        _strides(<cnp.ndarray>mask, a.mask_stride, 4)
+    a.causal, a.align, a.window_left, a.window_right = causal, align, wl, wr
+    if kv_len is not None:
+        a.kv_len = <const int64_t *>cnp.PyArray_DATA(<cnp.ndarray>kv_len)
+    if lse is not None:
+        a.lse = cnp.PyArray_DATA(<cnp.ndarray>lse)
+        _strides(<cnp.ndarray>lse, a.lse_stride, 3)
+    a.num_threads = num_threads
+    return 0
+
+
+cdef _raise(int rc):
+    msg = fa_strerror(rc).decode()
+    if rc == FA_ERR_NOMEM:
+        raise MemoryError(msg)
+    raise ValueError(msg)
+
+
+def attention(q, k, v, out, lse, mask, int causal, int align, int64_t wl, int64_t wr,
+              kv_len, double scale, int num_threads, bint check_only=False):
+    """Runs (or, with check_only, only checks) one call on 4-D views.
+
+    q (B, Hq, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev), out (B, Hq, L, Ev),
+    lse (B, Hq, L) or None, mask (B, Hq, L, S) bool-as-uint8 or q's dtype, or
+    None; kv_len int64 (B,) or None. Last axes contiguous, data aligned.
+    """
+    cdef fa_args a
+    cdef int rc
+    _fill(&a, q, k, v, out, lse, mask, causal, align, wl, wr, kv_len, scale, num_threads)
+    if check_only:
+        rc = fa_check(&a)
+    else:
+        with nogil:
+            rc = fa_attention(&a)
+    if rc:
+        _raise(rc)
+
+
+def isa():
+    """Name of the micro-kernel set in use."""
+    return fa_isa().decode()
+
+
+def set_isa(name):
+    cdef bytes b = (name or "auto").encode()
+    if fa_set_isa(b) != 0:
+        raise ValueError(
+            f"set_isa: {name!r} is not available here; choose one of "
+            f"{available_isas() + ['auto']}")
+
+
+def isa_supported(name):
+    return bool(fa_isa_supported(name.encode()))
+
+
+def available_isas():
+    """The micro-kernel sets compiled in that this CPU runs, best first."""
+    return [n for n in ISAS if fa_isa_supported(n.encode())]
+
+
+def openmp():
+    return bool(fa_openmp())
+
+
+def max_threads():
+    return fa_max_threads()

@@ -1,0 +1,69 @@
+/* internal.h — what the driver (attention.c), the CPU dispatch (dispatch.c)
+ * and the per-ISA kernels (kernels_*.c) share. Not part of the public API.
+ *
+ * The contract: the driver validates the call, derives an fa_plan and hands
+ * out work items (b, h, first query row); a kernel computes one item on one
+ * thread, in its own scratch, and knows nothing of threads.
+ */
+#ifndef FA_INTERNAL_H
+#define FA_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include "fastattn.h"
+
+#define FA_CAT_(a, b) a##b
+#define FA_CAT(a, b) FA_CAT_(a, b)
+
+/* Scratch buffers start on cache-line (and AVX-512 vector) boundaries. */
+#define FA_ALIGN 64
+
+/* Everything a kernel needs about one call, derived once by the driver. */
+typedef struct fa_plan {
+    const fa_args *a;
+    int64_t group;        /* Hq / Hkv: query heads per key/value head */
+    double scale_log2e;   /* scale · log2(e): scores are kept in base 2 */
+    int64_t wl, wr;       /* window, -1 replaced by a bound past every key */
+} fa_plan;
+
+/* Rows [lo, hi] of keys visible to query row i of batch entry b from the
+ * structural restrictions (kv_len, causal, window); the mask comes on top.
+ * Empty when hi < lo. Both ends are non-decreasing in i, which is what lets a
+ * kernel skip whole key blocks and mask only the blocks on the boundary. */
+static inline void fa_visible_range(const fa_plan *p, int64_t b, int64_t i,
+                                    int64_t *lo, int64_t *hi) {
+    const fa_args *a = p->a;
+    int64_t S_b = a->kv_len ? a->kv_len[b] : a->S;
+    int64_t d = i + (a->align == FA_ALIGN_TOP_LEFT ? 0 : S_b - a->L);
+    int64_t l = 0, h = S_b - 1;
+    if (p->wl >= 0 && d - p->wl > l) l = d - p->wl;
+    if (a->causal && d < h) h = d;
+    if (p->wr >= 0 && d + p->wr < h) h = d + p->wr;
+    *lo = l;
+    *hi = h;
+}
+
+/* One micro-kernel set: the same source (kernel_item.h) compiled for one ISA. */
+typedef struct fa_kernel {
+    const char *name;
+    int64_t rows_f32, rows_f64;                 /* query rows per work item */
+    size_t (*scratch_f32)(int64_t E, int64_t Ev);
+    size_t (*scratch_f64)(int64_t E, int64_t Ev);
+    void (*item_f32)(const fa_plan *p, int64_t b, int64_t h, int64_t i0, void *scratch);
+    void (*item_f64)(const fa_plan *p, int64_t b, int64_t h, int64_t i0, void *scratch);
+} fa_kernel;
+
+/* The compiled-in sets (dispatch.c lists which exist in this build). */
+extern const fa_kernel fa_kernel_scalar;
+extern const fa_kernel fa_kernel_vec128;
+#if defined(FA_HAVE_AVX2)
+extern const fa_kernel fa_kernel_avx2;
+#endif
+#if defined(FA_HAVE_AVX512)
+extern const fa_kernel fa_kernel_avx512;
+#endif
+
+/* The set in use (chosen once from the CPU, FASTATTN_ISA or fa_set_isa). */
+const fa_kernel *fa_current_kernel(void);
+
+#endif /* FA_INTERNAL_H */

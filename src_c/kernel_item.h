@@ -1,0 +1,202 @@
+/* kernel_item.h — one work item of attention on one thread: the FlashAttention-2
+ * loop over key blocks with an online softmax, for BQ query rows of one
+ * (batch, head). Included by kernel_isa.h once per element type; vec.h gives
+ * the vector vocabulary, kernels_<isa>.c the tile sizes:
+ *   FA_NV  vectors of query rows per item (BQ = FA_NV · W rows)
+ *   FA_MR  rows of a register tile          FA_BK  keys per block
+ *
+ * Layout: query rows live in vector LANES. Qᵀ is packed once per item (E × BQ,
+ * scaled by scale·log2 e), so a score tile Sᵀ (keys × BQ) is a small GEMM with
+ * K's rows broadcast straight from the caller's memory: K and V are never
+ * copied or transposed. The softmax state (m, l) and the output accumulator
+ * Oᵀ (Ev × BQ) are lane-wise too, so the row max, row sum and rescaling need
+ * no horizontal reduction at all.
+ */
+#include "vec.h"
+
+#define BQ (FA_NV * W)
+#define TILE FN(tile)
+
+static inline size_t FN(round_up)(size_t n) {
+    return (n + FA_ALIGN - 1) / FA_ALIGN * FA_ALIGN;
+}
+
+/* Scratch of one thread: qt (E × BQ), st (FA_BK × BQ), ot (Ev × BQ), m, l, alpha. */
+static size_t FN(scratch_bytes)(int64_t E, int64_t Ev) {
+    size_t lane_row = (size_t)BQ * sizeof(T);
+    return FN(round_up)((size_t)E * lane_row) + FN(round_up)((size_t)FA_BK * lane_row) +
+           FN(round_up)((size_t)Ev * lane_row) + 3 * FN(round_up)(lane_row);
+}
+
+/* The register tile, the only place the FLOPs happen:
+ *     c[r][·] = c[r][·]·c_scale[·] + Σ_k a[r·a_rs + k·a_ks] · b[k][·]
+ * for MRC rows r (c_scale NULL: start from 0). Each a scalar is broadcast once
+ * and meets FA_NV vectors of b: FA_MR·FA_NV accumulators stay in registers. */
+static inline __attribute__((always_inline)) void TILE(
+    const int MRC, VT *restrict c, const T *restrict a, const int64_t a_rs,
+    const int64_t a_ks, const VT *restrict b, const int64_t K, const VT *restrict c_scale) {
+    VT acc[FA_MR][FA_NV];
+#pragma GCC unroll 16
+    for (int r = 0; r < MRC; r++)
+#pragma GCC unroll 8
+        for (int u = 0; u < FA_NV; u++)
+            acc[r][u] = c_scale ? c[r * FA_NV + u] * c_scale[u] : (VT){0};
+    for (int64_t k = 0; k < K; k++) {
+        const VT *b_k = b + k * FA_NV;
+#pragma GCC unroll 16
+        for (int r = 0; r < MRC; r++) {
+            const VT a_rk = FN(v_splat)(a[r * a_rs + k * a_ks]);
+#pragma GCC unroll 8
+            for (int u = 0; u < FA_NV; u++) acc[r][u] += a_rk * b_k[u];
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < MRC; r++)
+#pragma GCC unroll 8
+        for (int u = 0; u < FA_NV; u++) c[r * FA_NV + u] = acc[r][u];
+}
+
+/* Sᵀ[j][·] = Σ_e K[j][e] · Qᵀ[e][·] for the nb keys of a block. */
+static void FN(scores_tile)(VT *st, const T *k, int64_t k_rs, const VT *qt, int64_t E, int64_t nb) {
+    int64_t j = 0;
+    for (; j + FA_MR <= nb; j += FA_MR) TILE(FA_MR, st + j * FA_NV, k + j * k_rs, k_rs, 1, qt, E, 0);
+    for (; j < nb; j++) TILE(1, st + j * FA_NV, k + j * k_rs, k_rs, 1, qt, E, 0);
+}
+
+/* Oᵀ[e][·] = Oᵀ[e][·]·alpha[·] + Σ_j V[j][e] · Pᵀ[j][·] for the nb keys of a block. */
+static void FN(values_tile)(VT *ot, const T *v, int64_t v_rs, const VT *pt, int64_t Ev, int64_t nb,
+                            const VT *alpha) {
+    int64_t e = 0;
+    for (; e + FA_MR <= Ev; e += FA_MR) TILE(FA_MR, ot + e * FA_NV, v + e, 1, v_rs, pt, nb, alpha);
+    for (; e < Ev; e++) TILE(1, ot + e * FA_NV, v + e, 1, v_rs, pt, nb, alpha);
+}
+
+/* Online softmax over one block, lane-wise (one lane = one query row), base 2:
+ *     m' = max(m, max_j s_j)        alpha = 2^(m − m')
+ *     p_j = 2^(s_j − m')            l' = l·alpha + Σ_j p_j
+ * st is overwritten with p. A row with no visible key so far has m = −inf; it
+ * subtracts 0 instead, so its p and alpha are 2^−inf = 0, never NaN. */
+static void FN(softmax_block)(VT *st, int64_t nb, VT *m, VT *l, VT *alpha) {
+    const VT neg_inf = FN(v_splat)(-(T)INFINITY);
+#pragma GCC unroll 8
+    for (int u = 0; u < FA_NV; u++) {
+        VT m_new = m[u];
+        for (int64_t j = 0; j < nb; j++) m_new = FN(v_max)(m_new, st[j * FA_NV + u]);
+        VT m_sub = FN(v_select)((VU)(m_new == neg_inf), FN(v_splat)(0), m_new);
+        VT sum = {0};
+        for (int64_t j = 0; j < nb; j++) {
+            VT p = FN(v_exp2)(st[j * FA_NV + u] - m_sub);
+            st[j * FA_NV + u] = p;
+            sum += p;
+        }
+        alpha[u] = FN(v_exp2)(m[u] - m_sub);
+        l[u] = l[u] * alpha[u] + sum;
+        m[u] = m_new;
+    }
+}
+
+/* Structural visibility on a boundary block: key j0+j is visible to row r iff
+ * lo[r] ≤ j0+j ≤ hi[r]. */
+static void FN(mask_ranges)(T *st, int64_t j0, int64_t nb, const int64_t *lo, const int64_t *hi) {
+    for (int64_t j = 0; j < nb; j++)
+        for (int r = 0; r < BQ; r++)
+            if (j0 + j < lo[r] || j0 + j > hi[r]) st[j * BQ + r] = -(T)INFINITY;
+}
+
+/* The caller's mask on one block: bool (0 hides) or additive (· log2 e, since
+ * scores are base 2). */
+static void FN(mask_elements)(T *st, const fa_args *a, const void *mask_rows, int64_t rows, int64_t nb) {
+    const int64_t m_rs = a->mask_stride[2], m_cs = a->mask_stride[3];
+    if (a->mask_kind == FA_MASK_BOOL) {
+        const uint8_t *mk = (const uint8_t *)mask_rows;
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t j = 0; j < nb; j++)
+                if (!mk[r * m_rs + j * m_cs]) st[j * BQ + r] = -(T)INFINITY;
+    } else {
+        const T *mk = (const T *)mask_rows;
+        const T log2e = (T)1.4426950408889634074;
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t j = 0; j < nb; j++) st[j * BQ + r] += mk[r * m_rs + j * m_cs] * log2e;
+    }
+}
+
+static void FN(item)(const fa_plan *p, int64_t b, int64_t h, int64_t i0, void *scratch) {
+    const fa_args *a = p->a;
+    const int64_t E = a->E, Ev = a->Ev, hk = h / p->group;
+    const int64_t rows = a->L - i0 < BQ ? a->L - i0 : BQ;
+    const T *q = (const T *)a->q + b * a->q_stride[0] + h * a->q_stride[1] + i0 * a->q_stride[2];
+    const T *k = (const T *)a->k + b * a->k_stride[0] + hk * a->k_stride[1];
+    const T *v = (const T *)a->v + b * a->v_stride[0] + hk * a->v_stride[1];
+    const int64_t k_rs = a->k_stride[2], v_rs = a->v_stride[2];
+
+    char *s = (char *)scratch;
+    const size_t lane_row = (size_t)BQ * sizeof(T);
+    VT *qt = (VT *)s;      s += FN(round_up)((size_t)E * lane_row);
+    VT *st = (VT *)s;      s += FN(round_up)((size_t)FA_BK * lane_row);
+    VT *ot = (VT *)s;      s += FN(round_up)((size_t)Ev * lane_row);
+    VT *m = (VT *)s;       s += FN(round_up)(lane_row);
+    VT *l = (VT *)s;       s += FN(round_up)(lane_row);
+    VT *alpha = (VT *)s;
+
+    /* Visible key range of each row; padding lanes copy the last real row. */
+    int64_t lo[BQ], hi[BQ];
+    for (int r = 0; r < BQ; r++) fa_visible_range(p, b, i0 + (r < rows ? r : rows - 1), &lo[r], &hi[r]);
+    const int64_t j_begin = lo[0], j_end = hi[rows - 1] + 1;
+
+    /* Qᵀ · scale·log2 e; padding lanes 0. */
+    T *qt_s = (T *)qt;
+    const T c = (T)p->scale_log2e;
+    for (int r = 0; r < BQ; r++)
+        for (int64_t e = 0; e < E; e++) qt_s[e * BQ + r] = r < rows ? q[r * a->q_stride[2] + e] * c : 0;
+    for (int u = 0; u < FA_NV; u++) {
+        m[u] = FN(v_splat)(-(T)INFINITY);
+        l[u] = (VT){0};
+    }
+    for (int64_t i = 0; i < Ev * FA_NV; i++) ot[i] = (VT){0};
+
+    const char *mask_rows = 0;
+    if (a->mask_kind != FA_MASK_NONE) {
+        size_t esize = a->mask_kind == FA_MASK_BOOL ? 1 : sizeof(T);
+        mask_rows = (const char *)a->mask +
+                    (b * a->mask_stride[0] + h * a->mask_stride[1] + i0 * a->mask_stride[2]) * (int64_t)esize;
+    }
+
+    for (int64_t j0 = j_begin; j0 < j_end; j0 += FA_BK) {
+        const int64_t nb = j_end - j0 < FA_BK ? j_end - j0 : FA_BK;
+        FN(scores_tile)(st, k + j0 * k_rs, k_rs, qt, E, nb);
+        /* Only blocks that cross some row's range boundary need masking. */
+        if (lo[rows - 1] > j0 || hi[0] < j0 + nb - 1) FN(mask_ranges)((T *)st, j0, nb, lo, hi);
+        if (mask_rows) {
+            size_t esize = a->mask_kind == FA_MASK_BOOL ? 1 : sizeof(T);
+            FN(mask_elements)((T *)st, a, mask_rows + j0 * a->mask_stride[3] * (int64_t)esize, rows, nb);
+        }
+        FN(softmax_block)(st, nb, m, l, alpha);
+        FN(values_tile)(ot, v + j0 * v_rs, v_rs, st, Ev, nb, alpha);
+    }
+
+    /* out = Oᵀ / l (0 for a row with no visible key); lse = m·ln 2 + ln l. */
+    const T *ot_s = (const T *)ot, *m_s = (const T *)m, *l_s = (const T *)l;
+    T *out = (T *)a->out + b * a->out_stride[0] + h * a->out_stride[1] + i0 * a->out_stride[2];
+    for (int64_t r = 0; r < rows; r++) {
+        const T l_r = l_s[r];
+        T *o = out + r * a->out_stride[2];
+        if (l_r == 0)
+            for (int64_t e = 0; e < Ev; e++) o[e] = 0;
+        else
+            for (int64_t e = 0; e < Ev; e++) o[e] = ot_s[e * BQ + r] / l_r;
+    }
+    if (a->lse) {
+        T *lse = (T *)a->lse + b * a->lse_stride[0] + h * a->lse_stride[1] + i0 * a->lse_stride[2];
+        for (int64_t r = 0; r < rows; r++)
+            lse[r * a->lse_stride[2]] =
+                l_s[r] == 0 ? -(T)INFINITY : m_s[r] * (T)0.69314718055994530942 + FN(log_t)(l_s[r]);
+    }
+}
+
+#undef TILE
+#undef BQ
+#undef FN
+#undef T
+#undef VT
+#undef VU
+#undef W

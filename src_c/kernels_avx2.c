@@ -1,0 +1,10 @@
+/* kernels_avx2.c — 256-bit vectors with FMA; compiled with -mavx2 -mfma only.
+ * 16 ymm registers: 6×2 accumulators + 2 of Qᵀ + 1 broadcast. */
+#define FA_ISA avx2
+#define FA_ISA_NAME "avx2"
+#define FA_VBYTES_F32 32
+#define FA_VBYTES_F64 32
+#define FA_NV 2
+#define FA_MR 6
+#define FA_BK 64
+#include "kernel_isa.h"

@@ -1,0 +1,14 @@
+/* kernels_vec128.c — 128-bit vectors with baseline flags: SSE2 on every x86-64,
+ * NEON on every arm64. Registers: 16 (x86) / 32 (arm64); 6×2 accumulators fit both. */
+#define FA_ISA vec128
+#if defined(__aarch64__) || defined(__ARM_NEON)
+#define FA_ISA_NAME "neon"
+#else
+#define FA_ISA_NAME "sse2"
+#endif
+#define FA_VBYTES_F32 16
+#define FA_VBYTES_F64 16
+#define FA_NV 2
+#define FA_MR 6
+#define FA_BK 64
+#include "kernel_isa.h"

@@ -1,0 +1,165 @@
+/* test_capi.c — the C API alone, no Python: builds against src_c/ and checks
+ * fa_attention against a naive double-precision loop, for every micro-kernel
+ * set this CPU runs, float and double, with causal, window, kv_len, a bool
+ * mask, GQA and lse; then checks that bad arguments are refused.
+ * Build: cc -O2 -std=gnu99 -fopenmp -Isrc_c tests/c/test_capi.c src_c/*.c -lm
+ * Exit status 0 and "C API: N passed, 0 failed" when all is well.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include "fastattn.h"
+
+enum { B = 2, HQ = 4, HKV = 2, L = 37, S = 70, E = 24, EV = 9 };
+
+static int passed, failed;
+static void check(int ok, const char *what) {
+    if (ok) passed++;
+    else { failed++; printf("FAIL: %s\n", what); }
+}
+
+/* Naive reference for one (b, h, i) row: the definition, spelled out. */
+static void naive_row(const double *q, const double *k, const double *v, const unsigned char *mask,
+                      const int64_t *kv_len, int b, int h, int i, int causal, int align, int64_t wl,
+                      int64_t wr, double scale, double *out, double *lse) {
+    int hk = h / (HQ / HKV);
+    int64_t Sb = kv_len[b];
+    int64_t d = i + (align == FA_ALIGN_TOP_LEFT ? 0 : Sb - L);
+    double s[S], mx = -INFINITY, sum = 0;
+    for (int j = 0; j < S; j++) {
+        int vis = j < Sb && mask[((b * HQ + h) * L + i) * S + j];
+        if (causal && j > d) vis = 0;
+        if (wl >= 0 && j < d - wl) vis = 0;
+        if (wr >= 0 && j > d + wr) vis = 0;
+        double dot = 0;
+        for (int e = 0; e < E; e++) dot += q[((b * HQ + h) * L + i) * E + e] * k[((b * HKV + hk) * S + j) * E + e];
+        s[j] = vis ? dot * scale : -INFINITY;
+        if (s[j] > mx) mx = s[j];
+    }
+    for (int e = 0; e < EV; e++) out[e] = 0;
+    if (mx == -INFINITY) { *lse = -INFINITY; return; }
+    for (int j = 0; j < S; j++) {
+        double p = exp(s[j] - mx);
+        sum += p;
+        for (int e = 0; e < EV; e++) out[e] += p * v[((b * HKV + hk) * S + j) * EV + e];
+    }
+    for (int e = 0; e < EV; e++) out[e] /= sum;
+    *lse = mx + log(sum);
+}
+
+static double rnd(void) { return rand() / (double)RAND_MAX * 2 - 1; }
+
+static void run_case(int dtype, int causal, int align, int64_t wl, int64_t wr) {
+    static double q[B * HQ * L * E], k[B * HKV * S * E], v[B * HKV * S * EV], ref[EV];
+    static float qf[B * HQ * L * E], kf[B * HKV * S * E], vf[B * HKV * S * EV];
+    static double out[B * HQ * L * EV], lse[B * HQ * L];
+    static float outf[B * HQ * L * EV], lsef[B * HQ * L];
+    static unsigned char mask[B * HQ * L * S];
+    int64_t kv_len[B] = {S, S - 11};
+    for (int i = 0; i < B * HQ * L * E; i++) qf[i] = (float)(q[i] = rnd());
+    for (int i = 0; i < B * HKV * S * E; i++) kf[i] = (float)(k[i] = rnd());
+    for (int i = 0; i < B * HKV * S * EV; i++) vf[i] = (float)(v[i] = rnd());
+    for (int i = 0; i < B * HQ * L * S; i++) mask[i] = rand() % 7 != 0;
+    /* q and k are rounded through float for both dtypes' references */
+    for (int i = 0; i < B * HQ * L * E; i++) q[i] = qf[i];
+    for (int i = 0; i < B * HKV * S * E; i++) k[i] = kf[i];
+    for (int i = 0; i < B * HKV * S * EV; i++) v[i] = vf[i];
+
+    fa_args a;
+    fa_args_init(&a);
+    a.dtype = dtype;
+    a.B = B; a.Hq = HQ; a.Hkv = HKV; a.L = L; a.S = S; a.E = E; a.Ev = EV;
+    int f32 = dtype == FA_F32;
+    a.q = f32 ? (void *)qf : (void *)q;
+    a.k = f32 ? (void *)kf : (void *)k;
+    a.v = f32 ? (void *)vf : (void *)v;
+    a.out = f32 ? (void *)outf : (void *)out;
+    a.lse = f32 ? (void *)lsef : (void *)lse;
+    int64_t qs[3] = {HQ * L * E, L * E, E}, ks[3] = {HKV * S * E, S * E, E};
+    int64_t vs[3] = {HKV * S * EV, S * EV, EV}, os[3] = {HQ * L * EV, L * EV, EV}, ls[3] = {HQ * L, L, 1};
+    for (int d = 0; d < 3; d++) {
+        a.q_stride[d] = qs[d]; a.k_stride[d] = ks[d]; a.v_stride[d] = vs[d];
+        a.out_stride[d] = os[d]; a.lse_stride[d] = ls[d];
+    }
+    a.scale = 0.3;
+    a.mask_kind = FA_MASK_BOOL;
+    a.mask = mask;
+    a.mask_stride[0] = HQ * L * S; a.mask_stride[1] = L * S; a.mask_stride[2] = S; a.mask_stride[3] = 1;
+    a.causal = causal; a.align = align; a.window_left = wl; a.window_right = wr;
+    a.kv_len = kv_len;
+    a.num_threads = 2;
+    int rc = fa_attention(&a);
+    check(rc == FA_OK, fa_strerror(rc));
+    double worst = 0;
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < HQ; h++)
+            for (int i = 0; i < L; i++) {
+                double ref_lse;
+                naive_row(q, k, v, mask, kv_len, b, h, i, causal, align, wl, wr, 0.3, ref, &ref_lse);
+                int row = (b * HQ + h) * L + i;
+                for (int e = 0; e < EV; e++) {
+                    double got = f32 ? outf[row * EV + e] : out[row * EV + e];
+                    double err = fabs(got - ref[e]);
+                    if (!(err <= worst)) worst = err; /* NaN makes worst NaN */
+                }
+                double got_lse = f32 ? lsef[row] : lse[row];
+                if (isinf(ref_lse)) { if (!(isinf(got_lse) && got_lse < 0)) worst = INFINITY; }
+                else if (!(fabs(got_lse - ref_lse) <= worst)) worst = fmax(worst, fabs(got_lse - ref_lse));
+            }
+    char what[160];
+    snprintf(what, sizeof what, "%s %s causal=%d align=%d window=(%lld,%lld): max error %.3g", fa_isa(),
+             f32 ? "f32" : "f64", causal, align, (long long)wl, (long long)wr, worst);
+    check(worst < (f32 ? 2e-5 : 1e-12), what);
+}
+
+int main(void) {
+    const char *isas[] = {"avx512", "avx2", "sse2", "neon", "scalar"};
+    for (int n = 0; n < 5; n++) {
+        if (!fa_isa_supported(isas[n])) continue;
+        check(fa_set_isa(isas[n]) == FA_OK, "fa_set_isa");
+        for (int dt = FA_F32; dt <= FA_F64; dt++) {
+            run_case(dt, 0, FA_ALIGN_BOTTOM_RIGHT, -1, -1);
+            run_case(dt, 1, FA_ALIGN_BOTTOM_RIGHT, -1, -1);
+            run_case(dt, 1, FA_ALIGN_TOP_LEFT, 5, -1);
+            run_case(dt, 0, FA_ALIGN_BOTTOM_RIGHT, 9, 3);
+        }
+        printf("%s: checked\n", isas[n]);
+    }
+    check(fa_set_isa("no-such-isa") == FA_ERR_ISA, "unknown ISA refused");
+    check(fa_set_isa(NULL) == FA_OK, "back to auto");
+
+    /* Bad arguments are refused with their own code, before anything is read. */
+    fa_args a;
+    fa_args_init(&a);
+    check(fa_attention(NULL) == FA_ERR_NULL_ARGS, "NULL args");
+    a.B = 1; a.Hq = 3; a.Hkv = 2; a.L = 4; a.S = 4; a.E = 4; a.Ev = 4;
+    check(fa_attention(&a) == FA_ERR_HEADS, "Hq not a multiple of Hkv");
+    a.Hkv = 1;
+    check(fa_attention(&a) == FA_ERR_NULL_POINTER, "NULL q");
+    a.L = -1;
+    check(fa_attention(&a) == FA_ERR_SIZE, "negative L");
+    a.L = 4; a.dtype = 7;
+    check(fa_attention(&a) == FA_ERR_DTYPE, "bad dtype");
+    a.dtype = FA_F32; a.scale = NAN;
+    check(fa_attention(&a) == FA_ERR_SCALE, "NaN scale");
+    a.scale = 1; a.window_left = -2;
+    check(fa_attention(&a) == FA_ERR_WINDOW, "window below -1");
+    a.window_left = -1; a.mask_kind = 9;
+    check(fa_attention(&a) == FA_ERR_MASK_KIND, "bad mask kind");
+    a.mask_kind = FA_MASK_NONE; a.num_threads = -1;
+    check(fa_attention(&a) == FA_ERR_THREADS, "negative threads");
+    a.num_threads = 0;
+    float buf[64] = {0};
+    a.q = a.k = a.v = buf; a.out = buf;
+    a.out_stride[0] = 0; a.out_stride[1] = 0; a.out_stride[2] = 0; /* every row at one address */
+    check(fa_attention(&a) == FA_ERR_STRIDE, "aliasing out rows");
+    a.out_stride[2] = INT64_MAX / 2;
+    check(fa_attention(&a) == FA_ERR_STRIDE, "stride overflow");
+    int64_t bad_len[1] = {5};
+    a.out_stride[0] = 16; a.out_stride[1] = 16; a.out_stride[2] = 4; a.kv_len = bad_len;
+    check(fa_attention(&a) == FA_ERR_KV_LEN, "kv_len above S");
+    check(fa_strerror(FA_ERR_HEADS)[0] != 0 && fa_strerror(12345)[0] != 0, "fa_strerror");
+
+    printf("C API: %d passed, %d failed\n", passed, failed);
+    return failed != 0;
+}
