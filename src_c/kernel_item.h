@@ -56,11 +56,39 @@ static inline __attribute__((always_inline)) void TILE(
         for (int u = 0; u < FA_NV; u++) c[r * FA_NV + u] = acc[r][u];
 }
 
+/* FA_TAIL(n) for every n in 1 … FA_MR − 1 (FA_MR is at most 12). */
+#define FA_TAILS_1 FA_TAIL(1)
+#define FA_TAILS_2 FA_TAILS_1 FA_TAIL(2)
+#define FA_TAILS_3 FA_TAILS_2 FA_TAIL(3)
+#define FA_TAILS_4 FA_TAILS_3 FA_TAIL(4)
+#define FA_TAILS_5 FA_TAILS_4 FA_TAIL(5)
+#define FA_TAILS_6 FA_TAILS_5 FA_TAIL(6)
+#define FA_TAILS_7 FA_TAILS_6 FA_TAIL(7)
+#define FA_TAILS_8 FA_TAILS_7 FA_TAIL(8)
+#define FA_TAILS_9 FA_TAILS_8 FA_TAIL(9)
+#define FA_TAILS_10 FA_TAILS_9 FA_TAIL(10)
+#define FA_TAILS_11 FA_TAILS_10 FA_TAIL(11)
+#if FA_MR == 4
+#define FA_TAILS FA_TAILS_3
+#elif FA_MR == 6
+#define FA_TAILS FA_TAILS_5
+#elif FA_MR == 8
+#define FA_TAILS FA_TAILS_7
+#elif FA_MR == 12
+#define FA_TAILS FA_TAILS_11
+#else
+#error "FA_MR must be 4, 6, 8 or 12"
+#endif
+
 /* Sᵀ[j][·] = Σ_e K[j][e] · Qᵀ[e][·] for the nb keys of a block. */
 static void FN(scores_tile)(VT *st, const T *k, int64_t k_rs, const VT *qt, int64_t E, int64_t nb) {
     int64_t j = 0;
     for (; j + FA_MR <= nb; j += FA_MR) TILE(FA_MR, st + j * FA_NV, k + j * k_rs, k_rs, 1, qt, E, 0);
-    for (; j < nb; j++) TILE(1, st + j * FA_NV, k + j * k_rs, k_rs, 1, qt, E, 0);
+    switch (nb - j) { /* the last rows in one narrower tile, each width compiled on its own */
+#define FA_TAIL(n) case n: TILE(n, st + j * FA_NV, k + j * k_rs, k_rs, 1, qt, E, 0); break;
+        FA_TAILS
+#undef FA_TAIL
+    }
 }
 
 /* Oᵀ[e][·] = Oᵀ[e][·]·alpha[·] + Σ_j V[j][e] · Pᵀ[j][·] for the nb keys of a block. */
@@ -68,7 +96,11 @@ static void FN(values_tile)(VT *ot, const T *v, int64_t v_rs, const VT *pt, int6
                             const VT *alpha) {
     int64_t e = 0;
     for (; e + FA_MR <= Ev; e += FA_MR) TILE(FA_MR, ot + e * FA_NV, v + e, 1, v_rs, pt, nb, alpha);
-    for (; e < Ev; e++) TILE(1, ot + e * FA_NV, v + e, 1, v_rs, pt, nb, alpha);
+    switch (Ev - e) {
+#define FA_TAIL(n) case n: TILE(n, ot + e * FA_NV, v + e, 1, v_rs, pt, nb, alpha); break;
+        FA_TAILS
+#undef FA_TAIL
+    }
 }
 
 /* Online softmax over one block, lane-wise (one lane = one query row), base 2:
@@ -174,16 +206,19 @@ static void FN(item)(const fa_plan *p, int64_t b, int64_t h, int64_t i0, void *s
         FN(values_tile)(ot, v + j0 * v_rs, v_rs, st, Ev, nb, alpha);
     }
 
-    /* out = Oᵀ / l (0 for a row with no visible key); lse = m·ln 2 + ln l. */
+    /* out = Oᵀ · (1/l), lane-wise, then transposed into the caller's rows.
+     * A row with no visible key has Oᵀ = 0 and l = 0: 1/l is replaced by 0. */
+    for (int u = 0; u < FA_NV; u++) {
+        VT inv = 1 / l[u];
+        alpha[u] = FN(v_select)((VU)(l[u] == 0), (VT){0}, inv);
+    }
+    for (int64_t e = 0; e < Ev; e++)
+        for (int u = 0; u < FA_NV; u++) ot[e * FA_NV + u] *= alpha[u];
     const T *ot_s = (const T *)ot, *m_s = (const T *)m, *l_s = (const T *)l;
     T *out = (T *)a->out + b * a->out_stride[0] + h * a->out_stride[1] + i0 * a->out_stride[2];
     for (int64_t r = 0; r < rows; r++) {
-        const T l_r = l_s[r];
         T *o = out + r * a->out_stride[2];
-        if (l_r == 0)
-            for (int64_t e = 0; e < Ev; e++) o[e] = 0;
-        else
-            for (int64_t e = 0; e < Ev; e++) o[e] = ot_s[e * BQ + r] / l_r;
+        for (int64_t e = 0; e < Ev; e++) o[e] = ot_s[e * BQ + r];
     }
     if (a->lse) {
         T *lse = (T *)a->lse + b * a->lse_stride[0] + h * a->lse_stride[1] + i0 * a->lse_stride[2];

@@ -4,7 +4,13 @@
 #define FA_ISA_NAME "avx2"
 #define FA_VBYTES_F32 32
 #define FA_VBYTES_F64 32
+#ifndef FA_NV
 #define FA_NV 2
+#endif
+#ifndef FA_MR
 #define FA_MR 6
+#endif
+#ifndef FA_BK
 #define FA_BK 64
+#endif
 #include "kernel_isa.h"

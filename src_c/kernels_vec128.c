@@ -8,7 +8,13 @@
 #endif
 #define FA_VBYTES_F32 16
 #define FA_VBYTES_F64 16
+#ifndef FA_NV
 #define FA_NV 2
+#endif
+#ifndef FA_MR
 #define FA_MR 6
+#endif
+#ifndef FA_BK
 #define FA_BK 64
+#endif
 #include "kernel_isa.h"

@@ -17,7 +17,8 @@
 typedef FA_T VT __attribute__((vector_size(FA_VBYTES)));
 typedef FA_TU VU __attribute__((vector_size(FA_VBYTES)));
 
-static inline VT FN(v_splat)(T x) { return (VT){0} + x; }
+/* x − 0 is x for every x (−0 too), so this folds to one broadcast; 0 + x would not. */
+static inline VT FN(v_splat)(T x) { return x - (VT){0}; }
 
 /* Lane-wise m ? a : b (C has no vector ?:, so the blend is spelled in bits). */
 static inline VT FN(v_select)(VU m, VT a, VT b) {
