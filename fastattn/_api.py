@@ -9,6 +9,7 @@ an input whose last axis is not contiguous, or whose data is misaligned or
 byte-swapped, is copied.
 """
 import math
+import numbers
 import operator
 
 import numpy as np
@@ -136,8 +137,8 @@ def _check_out(out, shape, dtype, inputs):
         raise TypeError(f"out must have dtype {dtype} (the inputs'); got {out.dtype}")
     if not out.flags.writeable:
         raise ValueError("out must be writeable; got a read-only array")
-    if not out.dtype.isnative or not out.flags.aligned or (
-            shape[-1] > 1 and out.strides[-1] != out.itemsize):
+    if out.size and (not out.dtype.isnative or not out.flags.aligned or (
+            shape[-1] > 1 and out.strides[-1] != out.itemsize)):
         raise ValueError(
             "out must be aligned, in native byte order, with a contiguous last axis; "
             f"got strides {out.strides}")
@@ -149,10 +150,9 @@ def _check_out(out, shape, dtype, inputs):
 def _scale(scale, E):
     if scale is None:
         return 1.0 / math.sqrt(E)
-    try:
-        s = float(scale)
-    except (TypeError, ValueError):
-        raise TypeError(f"scale must be a real number; got {scale!r}") from None
+    if not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number; got {scale!r}")
+    s = float(scale)
     if not math.isfinite(s):
         raise ValueError(f"scale must be finite; got {s}")
     return s
@@ -220,6 +220,11 @@ def attention(q, k, v, *, mask=None, causal=False, window=None, kv_lengths=None,
     lse : ndarray, (..., Hq, L)
         Only with ``return_lse=True``.
     """
+    if (mask is None and window is None and kv_lengths is None and scale is None and out is None
+            and num_threads is None and not return_lse and (causal is False or causal is True)):
+        result = _kernel.attention_fast(q, k, v, causal)
+        if result is not None:
+            return result
     q = _as_input(q, "q")
     k = _as_input(k, "k")
     v = _as_input(v, "v")
@@ -239,7 +244,7 @@ def attention(q, k, v, *, mask=None, causal=False, window=None, kv_lengths=None,
     Hq, Hkv = _heads(q), _heads(k)
     if _heads(v) != Hkv:
         raise ValueError(f"k and v must have the same number of heads; got {Hkv} and {_heads(v)}")
-    if Hq % Hkv:
+    if (Hkv == 0 and Hq != 0) or (Hkv and Hq % Hkv):
         raise ValueError(
             f"q's heads (Hq={Hq}) must be a multiple of k's and v's heads (Hkv={Hkv}) "
             "for grouped-query attention")
@@ -322,8 +327,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     (row i sees keys ``j <= i``); a bool ``attn_mask`` is True where a key may
     be attended, a float one is added to the scores; ``attn_mask`` and
     ``is_causal`` cannot be combined; different head counts need
-    ``enable_gqa=True``. One difference: a row with no visible key returns
-    zeros here. This is an inference kernel, so ``dropout_p`` must be 0.
+    ``enable_gqa=True``; a row with no visible key returns zeros (as PyTorch
+    2.13 does on the CPU). This is an inference kernel, so ``dropout_p`` must
+    be 0.
 
     Returns
     -------
@@ -333,6 +339,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if dropout_p != 0:
         raise ValueError(
             f"dropout_p must be 0.0: fastattn is an inference kernel with no dropout; got {dropout_p}")
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"is_causal must be a bool; got {type(is_causal).__name__} {is_causal!r}")
     if attn_mask is not None and is_causal:
         raise ValueError("attn_mask and is_causal=True cannot be combined (as in PyTorch); pass one")
     q, k = np.asarray(query), np.asarray(key)

@@ -138,3 +138,82 @@ def openmp():
 
 def max_threads():
     return fa_max_threads()
+
+
+cdef bint _plain(object x, int ndim, int type_num):
+    # an exact ndarray of that rank and dtype that C can read in place
+    if type(x) is not cnp.ndarray:
+        return False
+    cdef cnp.ndarray a = <cnp.ndarray>x
+    if cnp.PyArray_NDIM(a) != ndim or cnp.PyArray_TYPE(a) != type_num:
+        return False
+    if not cnp.PyArray_ISALIGNED(a) or not cnp.PyArray_ISNOTSWAPPED(a):
+        return False
+    cdef int i
+    cdef Py_ssize_t size = cnp.PyArray_ITEMSIZE(a)
+    for i in range(ndim):
+        if cnp.PyArray_STRIDE(a, i) % size:
+            return False
+    return cnp.PyArray_DIM(a, ndim - 1) <= 1 or cnp.PyArray_STRIDE(a, ndim - 1) == size
+
+
+def attention_fast(q, k, v, bint causal):
+    """The common call — q, k, v plain arrays of one float dtype and one rank
+    (2, 3 or 4), equal batch axes, no mask, default scale — checked and run
+    without the general path's broadcasting. Returns None for anything else,
+    and the caller takes the general path (which also words every error)."""
+    if type(q) is not cnp.ndarray:
+        return None
+    cdef cnp.ndarray qa = <cnp.ndarray>q, ka, va, out
+    cdef int nd = cnp.PyArray_NDIM(qa)
+    cdef int dt = cnp.PyArray_TYPE(qa)
+    if nd < 2 or nd > 4 or (dt != cnp.NPY_FLOAT32 and dt != cnp.NPY_FLOAT64):
+        return None
+    if not (_plain(q, nd, dt) and _plain(k, nd, dt) and _plain(v, nd, dt)):
+        return None
+    ka, va = <cnp.ndarray>k, <cnp.ndarray>v
+    cdef int i
+    for i in range(nd - 3):  # batch axes: equal, no broadcasting here
+        if cnp.PyArray_DIM(qa, i) != cnp.PyArray_DIM(ka, i) or cnp.PyArray_DIM(qa, i) != cnp.PyArray_DIM(va, i):
+            return None
+    cdef int64_t L = cnp.PyArray_DIM(qa, nd - 2), E = cnp.PyArray_DIM(qa, nd - 1)
+    cdef int64_t S = cnp.PyArray_DIM(ka, nd - 2), Ev = cnp.PyArray_DIM(va, nd - 1)
+    cdef int64_t Hq = cnp.PyArray_DIM(qa, nd - 3) if nd >= 3 else 1
+    cdef int64_t Hkv = cnp.PyArray_DIM(ka, nd - 3) if nd >= 3 else 1
+    if (cnp.PyArray_DIM(ka, nd - 1) != E or cnp.PyArray_DIM(va, nd - 2) != S or E < 1 or Ev < 1
+            or Hkv < 1 or Hq % Hkv or (nd >= 3 and cnp.PyArray_DIM(va, nd - 3) != Hkv)):
+        return None
+    cdef cnp.npy_intp shape[4]
+    for i in range(nd - 1):
+        shape[i] = cnp.PyArray_DIM(qa, i)
+    shape[nd - 1] = Ev
+    out = cnp.PyArray_SimpleNew(nd, shape, dt)
+
+    cdef fa_args a
+    cdef int rc
+    fa_args_init(&a)
+    a.dtype = FA_F32 if dt == cnp.NPY_FLOAT32 else FA_F64
+    a.B = 1
+    if nd == 4:
+        a.B = cnp.PyArray_DIM(qa, 0)
+    a.Hq, a.Hkv, a.L, a.S, a.E, a.Ev = Hq, Hkv, L, S, E, Ev
+    a.q, a.k, a.v, a.out = cnp.PyArray_DATA(qa), cnp.PyArray_DATA(ka), cnp.PyArray_DATA(va), cnp.PyArray_DATA(out)
+    _strides_right(qa, a.q_stride)
+    _strides_right(ka, a.k_stride)
+    _strides_right(va, a.v_stride)
+    _strides_right(out, a.out_stride)
+    a.scale = 1.0 / (<double>E) ** 0.5
+    a.causal = causal
+    with nogil:
+        rc = fa_attention(&a)
+    if rc:
+        _raise(rc)
+    return out
+
+
+cdef void _strides_right(cnp.ndarray x, int64_t *dst):
+    # element strides of (batch, head, row) for a 2-, 3- or 4-D array; absent axes 0
+    cdef int nd = cnp.PyArray_NDIM(x), i
+    cdef int64_t size = cnp.PyArray_ITEMSIZE(x)
+    for i in range(3):
+        dst[i] = cnp.PyArray_STRIDE(x, nd - 4 + i) // size if nd - 4 + i >= 0 else 0

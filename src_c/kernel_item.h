@@ -30,16 +30,18 @@ static size_t FN(scratch_bytes)(int64_t E, int64_t Ev) {
 
 /* The register tile, the only place the FLOPs happen:
  *     c[r][·] = c[r][·]·c_scale[·] + Σ_k a[r·a_rs + k·a_ks] · b[k][·]
- * for MRC rows r (c_scale NULL: start from 0). Each a scalar is broadcast once
- * and meets FA_NV vectors of b: FA_MR·FA_NV accumulators stay in registers. */
+ * for MRC rows r and the first NVC vectors of lanes (c_scale NULL: start
+ * from 0); rows of b and c are FA_NV vectors apart. Each a scalar is
+ * broadcast once and meets NVC vectors of b: up to FA_MR·FA_NV accumulators
+ * stay in registers. MRC and NVC are constants wherever this is inlined. */
 static inline __attribute__((always_inline)) void TILE(
-    const int MRC, VT *restrict c, const T *restrict a, const int64_t a_rs,
+    const int MRC, const int NVC, VT *restrict c, const T *restrict a, const int64_t a_rs,
     const int64_t a_ks, const VT *restrict b, const int64_t K, const VT *restrict c_scale) {
     VT acc[FA_MR][FA_NV];
 #pragma GCC unroll 16
     for (int r = 0; r < MRC; r++)
 #pragma GCC unroll 8
-        for (int u = 0; u < FA_NV; u++)
+        for (int u = 0; u < NVC; u++)
             acc[r][u] = c_scale ? c[r * FA_NV + u] * c_scale[u] : (VT){0};
     for (int64_t k = 0; k < K; k++) {
         const VT *b_k = b + k * FA_NV;
@@ -47,13 +49,13 @@ static inline __attribute__((always_inline)) void TILE(
         for (int r = 0; r < MRC; r++) {
             const VT a_rk = FN(v_splat)(a[r * a_rs + k * a_ks]);
 #pragma GCC unroll 8
-            for (int u = 0; u < FA_NV; u++) acc[r][u] += a_rk * b_k[u];
+            for (int u = 0; u < NVC; u++) acc[r][u] += a_rk * b_k[u];
         }
     }
 #pragma GCC unroll 16
     for (int r = 0; r < MRC; r++)
 #pragma GCC unroll 8
-        for (int u = 0; u < FA_NV; u++) c[r * FA_NV + u] = acc[r][u];
+        for (int u = 0; u < NVC; u++) c[r * FA_NV + u] = acc[r][u];
 }
 
 /* FA_TAIL(n) for every n in 1 … FA_MR − 1 (FA_MR is at most 12). */
@@ -81,26 +83,50 @@ static inline __attribute__((always_inline)) void TILE(
 #endif
 
 /* Sᵀ[j][·] = Σ_e K[j][e] · Qᵀ[e][·] for the nb keys of a block. */
-static void FN(scores_tile)(VT *st, const T *k, int64_t k_rs, const VT *qt, int64_t E, int64_t nb) {
+static inline __attribute__((always_inline)) void FN(scores_tile_n)(
+    const int NVC, VT *st, const T *k, int64_t k_rs, const VT *qt, int64_t E, int64_t nb) {
     int64_t j = 0;
-    for (; j + FA_MR <= nb; j += FA_MR) TILE(FA_MR, st + j * FA_NV, k + j * k_rs, k_rs, 1, qt, E, 0);
+    for (; j + FA_MR <= nb; j += FA_MR) TILE(FA_MR, NVC, st + j * FA_NV, k + j * k_rs, k_rs, 1, qt, E, 0);
     switch (nb - j) { /* the last rows in one narrower tile, each width compiled on its own */
-#define FA_TAIL(n) case n: TILE(n, st + j * FA_NV, k + j * k_rs, k_rs, 1, qt, E, 0); break;
+#define FA_TAIL(n) case n: TILE(n, NVC, st + j * FA_NV, k + j * k_rs, k_rs, 1, qt, E, 0); break;
         FA_TAILS
 #undef FA_TAIL
     }
 }
 
 /* Oᵀ[e][·] = Oᵀ[e][·]·alpha[·] + Σ_j V[j][e] · Pᵀ[j][·] for the nb keys of a block. */
-static void FN(values_tile)(VT *ot, const T *v, int64_t v_rs, const VT *pt, int64_t Ev, int64_t nb,
-                            const VT *alpha) {
+static inline __attribute__((always_inline)) void FN(values_tile_n)(
+    const int NVC, VT *ot, const T *v, int64_t v_rs, const VT *pt, int64_t Ev, int64_t nb, const VT *alpha) {
     int64_t e = 0;
-    for (; e + FA_MR <= Ev; e += FA_MR) TILE(FA_MR, ot + e * FA_NV, v + e, 1, v_rs, pt, nb, alpha);
+    for (; e + FA_MR <= Ev; e += FA_MR) TILE(FA_MR, NVC, ot + e * FA_NV, v + e, 1, v_rs, pt, nb, alpha);
     switch (Ev - e) {
-#define FA_TAIL(n) case n: TILE(n, ot + e * FA_NV, v + e, 1, v_rs, pt, nb, alpha); break;
+#define FA_TAIL(n) case n: TILE(n, NVC, ot + e * FA_NV, v + e, 1, v_rs, pt, nb, alpha); break;
         FA_TAILS
 #undef FA_TAIL
     }
+}
+
+/* An item with few rows (short L, decoding) uses only the nvc vectors of
+ * lanes its rows fill: one instantiation per width, up to FA_NV ≤ 4. */
+#define FA_BY_WIDTH(nvc, call)                                    \
+    switch (nvc) {                                                \
+    case 1: call(1); break;                                       \
+    case 2: if (FA_NV >= 2) call(FA_NV >= 2 ? 2 : 1); break;      \
+    case 3: if (FA_NV >= 3) call(FA_NV >= 3 ? 3 : 1); break;      \
+    default: call(FA_NV); break;                                  \
+    }
+
+static void FN(scores_tile)(int nvc, VT *st, const T *k, int64_t k_rs, const VT *qt, int64_t E, int64_t nb) {
+#define FA_CALL(n) FN(scores_tile_n)(n, st, k, k_rs, qt, E, nb)
+    FA_BY_WIDTH(nvc, FA_CALL)
+#undef FA_CALL
+}
+
+static void FN(values_tile)(int nvc, VT *ot, const T *v, int64_t v_rs, const VT *pt, int64_t Ev, int64_t nb,
+                            const VT *alpha) {
+#define FA_CALL(n) FN(values_tile_n)(n, ot, v, v_rs, pt, Ev, nb, alpha)
+    FA_BY_WIDTH(nvc, FA_CALL)
+#undef FA_CALL
 }
 
 /* Online softmax over one block, lane-wise (one lane = one query row), base 2:
@@ -108,10 +134,9 @@ static void FN(values_tile)(VT *ot, const T *v, int64_t v_rs, const VT *pt, int6
  *     p_j = 2^(s_j − m')            l' = l·alpha + Σ_j p_j
  * st is overwritten with p. A row with no visible key so far has m = −inf; it
  * subtracts 0 instead, so its p and alpha are 2^−inf = 0, never NaN. */
-static void FN(softmax_block)(VT *st, int64_t nb, VT *m, VT *l, VT *alpha) {
+static void FN(softmax_block)(int nvc, VT *st, int64_t nb, VT *m, VT *l, VT *alpha) {
     const VT neg_inf = FN(v_splat)(-(T)INFINITY);
-#pragma GCC unroll 8
-    for (int u = 0; u < FA_NV; u++) {
+    for (int u = 0; u < nvc; u++) {
         VT m_new = m[u];
         for (int64_t j = 0; j < nb; j++) m_new = FN(v_max)(m_new, st[j * FA_NV + u]);
         VT m_sub = FN(v_select)((VU)(m_new == neg_inf), FN(v_splat)(0), m_new);
@@ -129,9 +154,9 @@ static void FN(softmax_block)(VT *st, int64_t nb, VT *m, VT *l, VT *alpha) {
 
 /* Structural visibility on a boundary block: key j0+j is visible to row r iff
  * lo[r] ≤ j0+j ≤ hi[r]. */
-static void FN(mask_ranges)(T *st, int64_t j0, int64_t nb, const int64_t *lo, const int64_t *hi) {
+static void FN(mask_ranges)(T *st, int64_t j0, int64_t nb, int64_t rows, const int64_t *lo, const int64_t *hi) {
     for (int64_t j = 0; j < nb; j++)
-        for (int r = 0; r < BQ; r++)
+        for (int64_t r = 0; r < rows; r++)
             if (j0 + j < lo[r] || j0 + j > hi[r]) st[j * BQ + r] = -(T)INFINITY;
 }
 
@@ -170,21 +195,26 @@ static void FN(item)(const fa_plan *p, int64_t b, int64_t h, int64_t i0, void *s
     VT *l = (VT *)s;       s += FN(round_up)(lane_row);
     VT *alpha = (VT *)s;
 
-    /* Visible key range of each row; padding lanes copy the last real row. */
+    /* Visible key range of each row (padding lanes are never masked: they are discarded). */
     int64_t lo[BQ], hi[BQ];
-    for (int r = 0; r < BQ; r++) fa_visible_range(p, b, i0 + (r < rows ? r : rows - 1), &lo[r], &hi[r]);
+    for (int64_t r = 0; r < rows; r++) fa_visible_range(p, b, i0 + r, &lo[r], &hi[r]);
     const int64_t j_begin = lo[0], j_end = hi[rows - 1] + 1;
 
-    /* Qᵀ · scale·log2 e; padding lanes 0. */
+    /* Qᵀ · scale·log2 e, written row by row of Qᵀ; padding lanes 0. */
+    const int nvc = (int)((rows + W - 1) / W); /* vectors of lanes in use */
     T *qt_s = (T *)qt;
     const T c = (T)p->scale_log2e;
-    for (int r = 0; r < BQ; r++)
-        for (int64_t e = 0; e < E; e++) qt_s[e * BQ + r] = r < rows ? q[r * a->q_stride[2] + e] * c : 0;
+    for (int64_t e = 0; e < E; e++) {
+        T *dst = qt_s + e * BQ;
+        for (int64_t r = 0; r < rows; r++) dst[r] = q[r * a->q_stride[2] + e] * c;
+        for (int64_t r = rows; r < nvc * W; r++) dst[r] = 0;
+    }
     for (int u = 0; u < FA_NV; u++) {
         m[u] = FN(v_splat)(-(T)INFINITY);
         l[u] = (VT){0};
     }
-    for (int64_t i = 0; i < Ev * FA_NV; i++) ot[i] = (VT){0};
+    for (int64_t e = 0; e < Ev; e++)
+        for (int u = 0; u < nvc; u++) ot[e * FA_NV + u] = (VT){0};
 
     const char *mask_rows = 0;
     if (a->mask_kind != FA_MASK_NONE) {
@@ -195,25 +225,25 @@ static void FN(item)(const fa_plan *p, int64_t b, int64_t h, int64_t i0, void *s
 
     for (int64_t j0 = j_begin; j0 < j_end; j0 += FA_BK) {
         const int64_t nb = j_end - j0 < FA_BK ? j_end - j0 : FA_BK;
-        FN(scores_tile)(st, k + j0 * k_rs, k_rs, qt, E, nb);
+        FN(scores_tile)(nvc, st, k + j0 * k_rs, k_rs, qt, E, nb);
         /* Only blocks that cross some row's range boundary need masking. */
-        if (lo[rows - 1] > j0 || hi[0] < j0 + nb - 1) FN(mask_ranges)((T *)st, j0, nb, lo, hi);
+        if (lo[rows - 1] > j0 || hi[0] < j0 + nb - 1) FN(mask_ranges)((T *)st, j0, nb, rows, lo, hi);
         if (mask_rows) {
             size_t esize = a->mask_kind == FA_MASK_BOOL ? 1 : sizeof(T);
             FN(mask_elements)((T *)st, a, mask_rows + j0 * a->mask_stride[3] * (int64_t)esize, rows, nb);
         }
-        FN(softmax_block)(st, nb, m, l, alpha);
-        FN(values_tile)(ot, v + j0 * v_rs, v_rs, st, Ev, nb, alpha);
+        FN(softmax_block)(nvc, st, nb, m, l, alpha);
+        FN(values_tile)(nvc, ot, v + j0 * v_rs, v_rs, st, Ev, nb, alpha);
     }
 
     /* out = Oᵀ · (1/l), lane-wise, then transposed into the caller's rows.
      * A row with no visible key has Oᵀ = 0 and l = 0: 1/l is replaced by 0. */
-    for (int u = 0; u < FA_NV; u++) {
+    for (int u = 0; u < nvc; u++) {
         VT inv = 1 / l[u];
         alpha[u] = FN(v_select)((VU)(l[u] == 0), (VT){0}, inv);
     }
     for (int64_t e = 0; e < Ev; e++)
-        for (int u = 0; u < FA_NV; u++) ot[e * FA_NV + u] *= alpha[u];
+        for (int u = 0; u < nvc; u++) ot[e * FA_NV + u] *= alpha[u];
     const T *ot_s = (const T *)ot, *m_s = (const T *)m, *l_s = (const T *)l;
     T *out = (T *)a->out + b * a->out_stride[0] + h * a->out_stride[1] + i0 * a->out_stride[2];
     for (int64_t r = 0; r < rows; r++) {
