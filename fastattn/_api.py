@@ -36,6 +36,10 @@ def _as_input(x, name):
     return a
 
 
+def _native(dtype):
+    return dtype.newbyteorder("=")
+
+
 def _kernel_ready(a):
     """The array itself when C can read it in place, else the smallest copy
     that it can: last axis contiguous, aligned, native byte order."""
@@ -228,10 +232,10 @@ def attention(q, k, v, *, mask=None, causal=False, window=None, kv_lengths=None,
     q = _as_input(q, "q")
     k = _as_input(k, "k")
     v = _as_input(v, "v")
-    if not q.dtype == k.dtype == v.dtype:
+    if not _native(q.dtype) == _native(k.dtype) == _native(v.dtype):
         raise TypeError(
             f"q, k and v must have the same dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    dtype = q.dtype.newbyteorder("=")
+    dtype = _native(q.dtype)
     L, E = q.shape[-2:]
     S, E_k = k.shape[-2:]
     S_v, Ev = v.shape[-2:]

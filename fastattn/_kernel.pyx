@@ -7,7 +7,8 @@ call and turns an error code into an exception whose sentence comes from C.
 No arithmetic and no validation of its own beyond what C checks.
 """
 cimport numpy as cnp
-from libc.stdint cimport int64_t, uintptr_t
+from libc.math cimport sqrt
+from libc.stdint cimport int64_t
 
 cnp.import_array()
 
@@ -202,7 +203,7 @@ def attention_fast(q, k, v, bint causal):
     _strides_right(ka, a.k_stride)
     _strides_right(va, a.v_stride)
     _strides_right(out, a.out_stride)
-    a.scale = 1.0 / (<double>E) ** 0.5
+    a.scale = 1.0 / sqrt(<double>E)  # as _api._scale: the same bits on both paths
     a.causal = causal
     with nogil:
         rc = fa_attention(&a)

@@ -76,7 +76,11 @@ static int64_t span(const int64_t n[4], const int64_t st[4]) {
 /* Whether no two elements of an output share an address: sorted by stride,
  * every axis must step past everything the smaller axes cover. Sufficient
  * (not necessary), and true for every array NumPy allocates or slices. */
-static int no_self_overlap(const int64_t n[4], const int64_t st[4]) {
+static int no_self_overlap(const int64_t n[4], const int64_t st_signed[4]) {
+    /* A negative stride only mirrors an axis: overlap depends on |stride|
+     * (span() has already ruled out overflow). */
+    int64_t st[4];
+    for (int d = 0; d < 4; d++) st[d] = st_signed[d] < 0 ? -st_signed[d] : st_signed[d];
     int order[4] = {0, 1, 2, 3};
     for (int i = 1; i < 4; i++)
         for (int j = i; j > 0 && st[order[j]] < st[order[j - 1]]; j--) {

@@ -206,15 +206,13 @@ static void FN(item)(const fa_plan *p, int64_t b, int64_t h, int64_t i0, void *s
     const T c = (T)p->scale_log2e;
     for (int64_t e = 0; e < E; e++) {
         T *dst = qt_s + e * BQ;
+        if (rows < nvc * W) qt[e * FA_NV + nvc - 1] = (VT){0};
         for (int64_t r = 0; r < rows; r++) dst[r] = q[r * a->q_stride[2] + e] * c;
-        for (int64_t r = rows; r < nvc * W; r++) dst[r] = 0;
     }
     for (int u = 0; u < FA_NV; u++) {
         m[u] = FN(v_splat)(-(T)INFINITY);
         l[u] = (VT){0};
     }
-    for (int64_t e = 0; e < Ev; e++)
-        for (int u = 0; u < nvc; u++) ot[e * FA_NV + u] = (VT){0};
 
     const char *mask_rows = 0;
     if (a->mask_kind != FA_MASK_NONE) {
@@ -223,17 +221,23 @@ static void FN(item)(const fa_plan *p, int64_t b, int64_t h, int64_t i0, void *s
                     (b * a->mask_stride[0] + h * a->mask_stride[1] + i0 * a->mask_stride[2]) * (int64_t)esize;
     }
 
+    /* The first block starts Oᵀ from 0 (its alpha is 0 anyway), so Oᵀ needs
+     * no clearing unless no block is visited at all. */
+    if (j_begin >= j_end)
+        for (int64_t e = 0; e < Ev; e++)
+            for (int u = 0; u < nvc; u++) ot[e * FA_NV + u] = (VT){0};
     for (int64_t j0 = j_begin; j0 < j_end; j0 += FA_BK) {
         const int64_t nb = j_end - j0 < FA_BK ? j_end - j0 : FA_BK;
         FN(scores_tile)(nvc, st, k + j0 * k_rs, k_rs, qt, E, nb);
-        /* Only blocks that cross some row's range boundary need masking. */
-        if (lo[rows - 1] > j0 || hi[0] < j0 + nb - 1) FN(mask_ranges)((T *)st, j0, nb, rows, lo, hi);
         if (mask_rows) {
             size_t esize = a->mask_kind == FA_MASK_BOOL ? 1 : sizeof(T);
             FN(mask_elements)((T *)st, a, mask_rows + j0 * a->mask_stride[3] * (int64_t)esize, rows, nb);
         }
+        /* Only blocks that cross some row's range boundary need masking; after
+         * the caller's mask, so a NaN there at a hidden key stays hidden. */
+        if (lo[rows - 1] > j0 || hi[0] < j0 + nb - 1) FN(mask_ranges)((T *)st, j0, nb, rows, lo, hi);
         FN(softmax_block)(nvc, st, nb, m, l, alpha);
-        FN(values_tile)(nvc, ot, v + j0 * v_rs, v_rs, st, Ev, nb, alpha);
+        FN(values_tile)(nvc, ot, v + j0 * v_rs, v_rs, st, Ev, nb, j0 == j_begin ? 0 : alpha);
     }
 
     /* out = Oᵀ · (1/l), lane-wise, then transposed into the caller's rows.
