@@ -46,6 +46,9 @@ cdef extern from "fastattn.h" nogil:
     int fa_openmp()
     int fa_max_threads()
 
+cdef extern from "internal.h" nogil:
+    int fa_test_exp2(const char *isa, int dtype, const void *x, void *y, int64_t n)
+
 ISAS = ("avx512", "avx2", "sse2", "neon", "scalar")
 
 
@@ -218,3 +221,16 @@ cdef void _strides_right(cnp.ndarray x, int64_t *dst):
     cdef int64_t size = cnp.PyArray_ITEMSIZE(x)
     for i in range(3):
         dst[i] = cnp.PyArray_STRIDE(x, nd - 4 + i) // size if nd - 4 + i >= 0 else 0
+
+
+def exp2(x, isa):
+    """2^x through the named micro-kernel set's vector exp2 (for its accuracy
+    test); x a contiguous float32 or float64 array."""
+    cdef cnp.ndarray xa = cnp.PyArray_GETCONTIGUOUS(x)
+    cdef cnp.ndarray ya = cnp.PyArray_EMPTY(1, [xa.size], cnp.PyArray_TYPE(xa), 0)
+    cdef int dtype = FA_F32 if cnp.PyArray_TYPE(xa) == cnp.NPY_FLOAT32 else FA_F64
+    if cnp.PyArray_TYPE(xa) not in (cnp.NPY_FLOAT32, cnp.NPY_FLOAT64):
+        raise TypeError(f"exp2 takes float32 or float64; got {x.dtype}")
+    if fa_test_exp2(isa.encode(), dtype, cnp.PyArray_DATA(xa), cnp.PyArray_DATA(ya), xa.size):
+        raise ValueError(f"ISA {isa!r} is not available here")
+    return ya.reshape(x.shape)

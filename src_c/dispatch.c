@@ -71,3 +71,12 @@ int fa_set_isa(const char *name) {
 int fa_isa_supported(const char *name) { return name && find(name) != NULL; }
 
 const char *fa_isa(void) { return fa_current_kernel()->name; }
+
+int fa_test_exp2(const char *isa, int dtype, const void *x, void *y, int64_t n) {
+    const fa_kernel *k = isa ? find(isa) : NULL;
+    if (!k) return FA_ERR_ISA;
+    if (dtype == FA_F32) k->exp2_f32((const float *)x, (float *)y, n);
+    else if (dtype == FA_F64) k->exp2_f64((const double *)x, (double *)y, n);
+    else return FA_ERR_DTYPE;
+    return FA_OK;
+}

@@ -51,6 +51,8 @@ typedef struct fa_kernel {
     size_t (*scratch_f64)(int64_t E, int64_t Ev);
     void (*item_f32)(const fa_plan *p, int64_t b, int64_t h, int64_t i0, void *scratch);
     void (*item_f64)(const fa_plan *p, int64_t b, int64_t h, int64_t i0, void *scratch);
+    void (*exp2_f32)(const float *x, float *y, int64_t n);   /* the kernel's 2^x, for tests */
+    void (*exp2_f64)(const double *x, double *y, int64_t n);
 } fa_kernel;
 
 /* The compiled-in sets (dispatch.c lists which exist in this build). */
@@ -65,5 +67,9 @@ extern const fa_kernel fa_kernel_avx512;
 
 /* The set in use (chosen once from the CPU, FASTATTN_ISA or fa_set_isa). */
 const fa_kernel *fa_current_kernel(void);
+
+/* Test hook: y = 2^x (n elements, dtype FA_F32/FA_F64) with the named set's
+ * vector exp2; FA_ERR_ISA when that set is not available here. */
+int fa_test_exp2(const char *isa, int dtype, const void *x, void *y, int64_t n);
 
 #endif /* FA_INTERNAL_H */

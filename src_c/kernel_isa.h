@@ -39,4 +39,6 @@ const fa_kernel FA_CAT(fa_kernel_, FA_ISA) = {
     scratch_bytes_f64,
     item_f32,
     item_f64,
+    exp2_array_f32,
+    exp2_array_f64,
 };

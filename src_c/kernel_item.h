@@ -262,6 +262,16 @@ static void FN(item)(const fa_plan *p, int64_t b, int64_t h, int64_t i0, void *s
     }
 }
 
+/* y = 2^x through the kernel's own v_exp2, for the accuracy test. */
+static void FN(exp2_array)(const T *x, T *y, int64_t n) {
+    for (int64_t i = 0; i < n; i += W) {
+        VT xv = FN(v_splat)(0), yv;
+        for (int u = 0; u < W && i + u < n; u++) xv[u] = x[i + u];
+        yv = FN(v_exp2)(xv);
+        for (int u = 0; u < W && i + u < n; u++) y[i + u] = yv[u];
+    }
+}
+
 #undef TILE
 #undef BQ
 #undef FN

@@ -9,8 +9,10 @@
  *   2^n:   n added to the exponent field of 2^f.
  * x below −125 (float) / −1021 (double) returns 0: the true value is under
  * 2^−125 there, invisible next to the row maximum's 1. −inf gives exactly 0,
- * NaN stays NaN. Measured maximum error over [−125, 0]: tests/test_isa.py
- * (about 1 ulp float, 1 ulp double).
+ * NaN stays NaN. Measured maximum error over [−125, 0] / [−1021, 0]
+ * (tests/test_isa.py, 3·10⁶ points against long double): 0.84 ulp (float)
+ * and 0.85 ulp (double) with FMA (avx2, avx512); 1.11 and 1.13 ulp without
+ * (sse2, scalar), where each Horner step rounds twice.
  */
 static inline VT FN(v_exp2)(VT x) {
 #if FA_MANT == 23
