@@ -9,7 +9,23 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#if defined(_OPENMP) && !defined(_WIN32)
+#include <pthread.h>
+#define FA_FORK_GUARD 1
+#endif
 #include "internal.h"
+
+#ifdef FA_FORK_GUARD
+/* GCC's OpenMP runtime is not fork-safe: a child forked after a parallel
+ * region inherits a thread pool whose threads do not exist there, and its
+ * next parallel region waits for them forever. A child of a process that has
+ * run fastattn therefore computes on its calling thread alone: same results
+ * (they never depend on the thread count), no hang. */
+static volatile int fa_forked = 0;
+static void fa_mark_forked(void) { fa_forked = 1; }
+static pthread_once_t fa_fork_once = PTHREAD_ONCE_INIT;
+static void fa_install_fork_guard(void) { pthread_atfork(NULL, NULL, fa_mark_forked); }
+#endif
 
 void fa_args_init(fa_args *a) {
     memset(a, 0, sizeof *a);
@@ -203,7 +219,13 @@ int fa_attention(const fa_args *a) {
     const int64_t n_qblocks = (a->L + bq - 1) / bq;
     const int64_t n_items = a->B * a->Hq * n_qblocks;
 
-    int threads = a->num_threads > 0 ? a->num_threads : fa_max_threads();
+#ifdef FA_FORK_GUARD
+    pthread_once(&fa_fork_once, fa_install_fork_guard);
+    const int forked = fa_forked;
+#else
+    const int forked = 0;
+#endif
+    int threads = forked ? 1 : a->num_threads > 0 ? a->num_threads : fa_max_threads();
     double work = (double)a->B * a->Hq * a->L * a->S * (a->E + a->Ev);
     if (work < FA_SERIAL_WORK) threads = 1;
     if ((int64_t)threads > n_items) threads = (int)n_items;
