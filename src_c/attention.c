@@ -156,16 +156,111 @@ int fa_check(const fa_args *a) {
  * whole call. */
 #define FA_SERIAL_WORK (1 << 18)
 
-/* Work items in the order threads take them. Causal and window rows later in
- * the sequence see more keys (bottom-right: the last query block sees all of
- * them), so with dynamic scheduling the costliest blocks go first and the
+/* Split-KV: a call with fewer row blocks than this (decoding: one query row
+ * per head) also splits the keys into chunks, computed in parallel and merged
+ * by log-sum-exp. The chunk length depends on the shape only, never on the
+ * thread count, so every num_threads gives the same bits. */
+#define FA_SPLIT_ITEMS 32
+#define FA_SPLIT_MIN_KEYS 512
+
+/* How a call is cut into work items (see fa_item). */
+typedef struct fa_work {
+    int64_t bq;        /* query rows per item, the kernel's lane count */
+    int per_head;      /* L >= bq: blocks stay inside one query head */
+    int64_t nqb;       /* per_head: blocks per head */
+    int64_t blocks;    /* row blocks per (batch entry, key/value head) */
+    int64_t n_base;    /* row blocks in all: B · Hkv · blocks */
+    int64_t n_chunks;  /* key chunks per row block (1: no split) */
+    int64_t chunk;     /* keys per chunk */
+    int reverse;       /* causal or window: later rows first */
+    size_t part_bytes; /* one split-KV part: bq · (Ev + 1) elements */
+} fa_work;
+
+static fa_work plan_work(const fa_args *a, int64_t bq, int64_t group) {
+    fa_work w;
+    w.bq = bq;
+    w.per_head = a->L >= bq;
+    w.nqb = (a->L + bq - 1) / bq;
+    w.blocks = w.per_head ? group * w.nqb : (group * a->L + bq - 1) / bq;
+    w.n_base = a->B * a->Hkv * w.blocks;
+    w.n_chunks = 1;
+    w.chunk = a->S;
+    if (w.n_base < FA_SPLIT_ITEMS && a->S >= 2 * FA_SPLIT_MIN_KEYS) {
+        int64_t want = (FA_SPLIT_ITEMS + w.n_base - 1) / w.n_base, most = a->S / FA_SPLIT_MIN_KEYS;
+        int64_t n = want < most ? want : most;
+        w.chunk = ((a->S + n - 1) / n + 63) / 64 * 64;
+        w.n_chunks = (a->S + w.chunk - 1) / w.chunk;
+    }
+    w.reverse = a->causal || a->window_right >= 0;
+    w.part_bytes = (size_t)bq * (size_t)(a->Ev + 1) * (a->dtype == FA_F32 ? sizeof(float) : sizeof(double));
+    return w;
+}
+
+/* Item idx in the order threads take them. With causal or window masks a
+ * later query block sees more keys (bottom-right: the last one sees them
+ * all), so the costliest blocks go first and with dynamic scheduling the
  * cheap ones fill the gaps at the end (longest-processing-time-first). */
-static void item_coords(const fa_args *a, int64_t n_qblocks, int64_t idx, int64_t *b, int64_t *h,
-                        int64_t *qb) {
-    int64_t bh = idx / n_qblocks, r = idx % n_qblocks;
-    *qb = (a->causal || a->window_right >= 0) ? n_qblocks - 1 - r : r;
-    *h = bh % a->Hq;
-    *b = bh / a->Hq;
+static fa_item item_at(const fa_args *a, const fa_work *w, int64_t group, int64_t idx, char *parts) {
+    fa_item it;
+    const int64_t base = idx / w->n_chunks, c = idx % w->n_chunks, blk = base % w->blocks;
+    it.hk = base / w->blocks % a->Hkv;
+    it.b = base / w->blocks / a->Hkv;
+    if (w->per_head) {
+        int64_t qb = blk % w->nqb;
+        if (w->reverse) qb = w->nqb - 1 - qb;
+        it.t0 = blk / w->nqb * a->L + qb * w->bq;
+        it.rows = a->L - qb * w->bq < w->bq ? a->L - qb * w->bq : w->bq;
+    } else {
+        it.t0 = blk * w->bq;
+        it.rows = group * a->L - it.t0 < w->bq ? group * a->L - it.t0 : w->bq;
+    }
+    it.j_from = c * w->chunk;
+    it.j_to = it.j_from + w->chunk < a->S ? it.j_from + w->chunk : a->S;
+    it.partial = w->n_chunks > 1 ? parts + (size_t)idx * w->part_bytes : NULL;
+    return it;
+}
+
+static inline double load_t(const void *p, int64_t i, int f32) {
+    return f32 ? (double)((const float *)p)[i] : ((const double *)p)[i];
+}
+static inline void store_t(void *p, int64_t i, double x, int f32) {
+    if (f32) ((float *)p)[i] = (float)x;
+    else ((double *)p)[i] = x;
+}
+
+/* Merges the split-KV parts of row block `base` into out and lse:
+ *     lse = log Σ_c e^(lse_c),   out = Σ_c e^(lse_c − lse) · out_c
+ * in double, chunks in order (the same bits for every thread count). A row
+ * no chunk sees gets zeros and -inf; a NaN in any chunk makes the row NaN,
+ * as it would unsplit. */
+static void merge_parts(const fa_args *a, const fa_work *w, int64_t group, int64_t base, char *parts) {
+    const int f32 = a->dtype == FA_F32;
+    const int64_t Ev = a->Ev, nc = w->n_chunks;
+    const fa_item it = item_at(a, w, group, base * nc, parts);
+    for (int64_t r = 0; r < it.rows; r++) {
+        const int64_t t = it.t0 + r, h = it.hk * group + t / a->L, i = t % a->L;
+        double top = -INFINITY, sum = 0;
+        for (int64_t c = 0; c < nc; c++) {
+            double lse_c = load_t(parts + (size_t)(base * nc + c) * w->part_bytes, it.rows * Ev + r, f32);
+            if (lse_c > top || isnan(lse_c)) top = isnan(top) ? top : lse_c;
+        }
+        void *o = (char *)a->out + (it.b * a->out_stride[0] + h * a->out_stride[1] + i * a->out_stride[2]) *
+                                       (int64_t)(f32 ? sizeof(float) : sizeof(double));
+        double wgt[FA_SPLIT_ITEMS]; /* n_chunks never exceeds FA_SPLIT_ITEMS */
+        for (int64_t c = 0; c < nc; c++) {
+            wgt[c] = exp(load_t(parts + (size_t)(base * nc + c) * w->part_bytes, it.rows * Ev + r, f32) - top);
+            sum += wgt[c]; /* a NaN top (or part) makes every weight NaN */
+        }
+        for (int64_t e = 0; e < Ev; e++) {
+            double acc = 0;
+            for (int64_t c = 0; c < nc; c++)
+                if (wgt[c] != 0) acc += wgt[c] * load_t(parts + (size_t)(base * nc + c) * w->part_bytes, r * Ev + e, f32);
+            store_t(o, e, top == -INFINITY ? 0 : acc / sum, f32);
+        }
+        if (!a->lse) continue;
+        store_t(a->lse, it.b * a->lse_stride[0] + h * a->lse_stride[1] + i * a->lse_stride[2],
+                top == -INFINITY ? -INFINITY : top + log(sum), f32);
+    }
 }
 
 static void *scratch_alloc(size_t bytes) {
@@ -175,8 +270,7 @@ static void *scratch_alloc(size_t bytes) {
 }
 
 static void zero_rows(const fa_args *a) {
-    /* S == 0 (or every key hidden): zeros and lse -inf, written by the kernel's
-     * own end-of-item code would also do, but there are no key blocks to walk. */
+    /* S == 0: zeros and lse -inf; there are no keys to walk. */
     for (int64_t b = 0; b < a->B; b++)
         for (int64_t h = 0; h < a->Hq; h++)
             for (int64_t i = 0; i < a->L; i++) {
@@ -213,11 +307,12 @@ int fa_attention(const fa_args *a) {
     plan.wl = a->window_left > far ? far : a->window_left;
     plan.wr = a->window_right > far ? far : a->window_right;
 
-    const int64_t bq = f32 ? kern->rows_f32 : kern->rows_f64;
+    const fa_work w = plan_work(a, f32 ? kern->rows_f32 : kern->rows_f64, plan.group);
     const size_t scratch = f32 ? kern->scratch_f32(a->E, a->Ev) : kern->scratch_f64(a->E, a->Ev);
-    void (*item)(const fa_plan *, int64_t, int64_t, int64_t, void *) = f32 ? kern->item_f32 : kern->item_f64;
-    const int64_t n_qblocks = (a->L + bq - 1) / bq;
-    const int64_t n_items = a->B * a->Hq * n_qblocks;
+    void (*item)(const fa_plan *, const fa_item *, void *) = f32 ? kern->item_f32 : kern->item_f64;
+    const int64_t n_items = w.n_base * w.n_chunks;
+    char *parts = NULL;
+    if (w.n_chunks > 1 && !(parts = scratch_alloc((size_t)n_items * w.part_bytes))) return FA_ERR_NOMEM;
 
 #ifdef FA_FORK_GUARD
     pthread_once(&fa_fork_once, fa_install_fork_guard);
@@ -230,41 +325,50 @@ int fa_attention(const fa_args *a) {
     if (work < FA_SERIAL_WORK) threads = 1;
     if ((int64_t)threads > n_items) threads = (int)n_items;
 
+    int failed = 0;
     if (threads <= 1) {
         void *buf = scratch_alloc(scratch);
-        if (!buf) return FA_ERR_NOMEM;
-        for (int64_t idx = 0; idx < n_items; idx++) {
-            int64_t b, h, qb;
-            item_coords(a, n_qblocks, idx, &b, &h, &qb);
-            item(&plan, b, h, qb * bq, buf);
+        if (buf) {
+            for (int64_t idx = 0; idx < n_items; idx++) {
+                const fa_item it = item_at(a, &w, plan.group, idx, parts);
+                item(&plan, &it, buf);
+            }
+            if (parts)
+                for (int64_t base = 0; base < w.n_base; base++) merge_parts(a, &w, plan.group, base, parts);
         }
+        failed = !buf;
         free(buf);
-        return FA_OK;
-    }
-
-    int failed = 0;
+    } else {
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads)
 #endif
-    {
-        void *buf = scratch_alloc(scratch);
-        if (!buf) {
+        {
+            void *buf = scratch_alloc(scratch);
+            if (!buf) {
 #ifdef _OPENMP
 #pragma omp atomic write
 #endif
-            failed = 1;
-        }
+                failed = 1;
+            }
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
-        for (int64_t idx = 0; idx < n_items; idx++) {
-            if (!buf) continue;
-            int64_t b, h, qb;
-            item_coords(a, n_qblocks, idx, &b, &h, &qb);
-            item(&plan, b, h, qb * bq, buf);
+            for (int64_t idx = 0; idx < n_items; idx++) {
+                if (!buf) continue;
+                const fa_item it = item_at(a, &w, plan.group, idx, parts);
+                item(&plan, &it, buf);
+            }
+            free(buf);
+            if (parts) {
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+                for (int64_t base = 0; base < w.n_base; base++)
+                    if (!failed) merge_parts(a, &w, plan.group, base, parts);
+            }
         }
-        free(buf);
     }
+    free(parts);
     /* A thread without scratch skipped its items: the output is incomplete. */
     return failed ? FA_ERR_NOMEM : FA_OK;
 }

@@ -26,6 +26,16 @@ typedef struct fa_plan {
     int64_t wl, wr;       /* window, -1 replaced by a bound past every key */
 } fa_plan;
 
+/* One work item. The g·L query rows that read key/value head hk of batch
+ * entry b are numbered t = (h − hk·g)·L + i (query head h, row i): grouped
+ * query heads are one tall block, so each K/V byte is read once per group.
+ * An item takes rows [t0, t0 + rows) against keys [j_from, j_to). */
+typedef struct fa_item {
+    int64_t b, hk, t0, rows, j_from, j_to;
+    void *partial;   /* NULL: write out and lse. Else a split-KV part: each row's
+                        normalised output (Ev values), then its lse (rows values) */
+} fa_item;
+
 /* Rows [lo, hi] of keys visible to query row i of batch entry b from the
  * structural restrictions (kv_len, causal, window); the mask comes on top.
  * Empty when hi < lo. Both ends are non-decreasing in i, which is what lets a
@@ -49,8 +59,8 @@ typedef struct fa_kernel {
     int64_t rows_f32, rows_f64;                 /* query rows per work item */
     size_t (*scratch_f32)(int64_t E, int64_t Ev);
     size_t (*scratch_f64)(int64_t E, int64_t Ev);
-    void (*item_f32)(const fa_plan *p, int64_t b, int64_t h, int64_t i0, void *scratch);
-    void (*item_f64)(const fa_plan *p, int64_t b, int64_t h, int64_t i0, void *scratch);
+    void (*item_f32)(const fa_plan *p, const fa_item *it, void *scratch);
+    void (*item_f64)(const fa_plan *p, const fa_item *it, void *scratch);
     void (*exp2_f32)(const float *x, float *y, int64_t n);   /* the kernel's 2^x, for tests */
     void (*exp2_f64)(const double *x, double *y, int64_t n);
 } fa_kernel;

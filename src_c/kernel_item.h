@@ -161,27 +161,26 @@ static void FN(mask_ranges)(T *st, int64_t j0, int64_t nb, int64_t rows, const i
 }
 
 /* The caller's mask on one block: bool (0 hides) or additive (· log2 e, since
- * scores are base 2). */
-static void FN(mask_elements)(T *st, const fa_args *a, const void *mask_rows, int64_t rows, int64_t nb) {
-    const int64_t m_rs = a->mask_stride[2], m_cs = a->mask_stride[3];
+ * scores are base 2). m_row[r] is row r's element offset, j0 the first key. */
+static void FN(mask_elements)(T *st, const fa_args *a, const int64_t *m_row, int64_t rows, int64_t j0,
+                              int64_t nb) {
+    const int64_t m_cs = a->mask_stride[3];
     if (a->mask_kind == FA_MASK_BOOL) {
-        const uint8_t *mk = (const uint8_t *)mask_rows;
+        const uint8_t *mk = (const uint8_t *)a->mask + j0 * m_cs;
         for (int64_t r = 0; r < rows; r++)
             for (int64_t j = 0; j < nb; j++)
-                if (!mk[r * m_rs + j * m_cs]) st[j * BQ + r] = -(T)INFINITY;
+                if (!mk[m_row[r] + j * m_cs]) st[j * BQ + r] = -(T)INFINITY;
     } else {
-        const T *mk = (const T *)mask_rows;
+        const T *mk = (const T *)a->mask + j0 * m_cs;
         const T log2e = (T)1.4426950408889634074;
         for (int64_t r = 0; r < rows; r++)
-            for (int64_t j = 0; j < nb; j++) st[j * BQ + r] += mk[r * m_rs + j * m_cs] * log2e;
+            for (int64_t j = 0; j < nb; j++) st[j * BQ + r] += mk[m_row[r] + j * m_cs] * log2e;
     }
 }
 
-static void FN(item)(const fa_plan *p, int64_t b, int64_t h, int64_t i0, void *scratch) {
+static void FN(item)(const fa_plan *p, const fa_item *it, void *scratch) {
     const fa_args *a = p->a;
-    const int64_t E = a->E, Ev = a->Ev, hk = h / p->group;
-    const int64_t rows = a->L - i0 < BQ ? a->L - i0 : BQ;
-    const T *q = (const T *)a->q + b * a->q_stride[0] + h * a->q_stride[1] + i0 * a->q_stride[2];
+    const int64_t E = a->E, Ev = a->Ev, L = a->L, b = it->b, hk = it->hk, rows = it->rows;
     const T *k = (const T *)a->k + b * a->k_stride[0] + hk * a->k_stride[1];
     const T *v = (const T *)a->v + b * a->v_stride[0] + hk * a->v_stride[1];
     const int64_t k_rs = a->k_stride[2], v_rs = a->v_stride[2];
@@ -195,30 +194,37 @@ static void FN(item)(const fa_plan *p, int64_t b, int64_t h, int64_t i0, void *s
     VT *l = (VT *)s;       s += FN(round_up)(lane_row);
     VT *alpha = (VT *)s;
 
-    /* Visible key range of each row (padding lanes are never masked: they are discarded). */
-    int64_t lo[BQ], hi[BQ];
-    for (int64_t r = 0; r < rows; r++) fa_visible_range(p, b, i0 + r, &lo[r], &hi[r]);
-    const int64_t j_begin = lo[0], j_end = hi[rows - 1] + 1;
+    /* Each row's query head h and position i, and from them its visible key
+     * range and its offsets into q, out, lse and mask. Padding lanes are
+     * never masked: they are discarded. */
+    int64_t lo[BQ], hi[BQ], q_row[BQ], m_row[BQ];
+    int64_t lo_max = INT64_MIN, hi_min = INT64_MAX, j_begin = INT64_MAX, j_end = INT64_MIN;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t t = it->t0 + r, h = hk * p->group + t / L, i = t % L;
+        fa_visible_range(p, b, i, &lo[r], &hi[r]);
+        if (lo[r] < it->j_from) lo[r] = it->j_from; /* split-KV: this item's share of the keys */
+        if (hi[r] > it->j_to - 1) hi[r] = it->j_to - 1;
+        if (lo[r] > lo_max) lo_max = lo[r];
+        if (hi[r] < hi_min) hi_min = hi[r];
+        if (lo[r] <= hi[r] && lo[r] < j_begin) j_begin = lo[r];
+        if (lo[r] <= hi[r] && hi[r] + 1 > j_end) j_end = hi[r] + 1;
+        q_row[r] = b * a->q_stride[0] + h * a->q_stride[1] + i * a->q_stride[2];
+        m_row[r] = b * a->mask_stride[0] + h * a->mask_stride[1] + i * a->mask_stride[2];
+    }
 
     /* Qᵀ · scale·log2 e, written row by row of Qᵀ; padding lanes 0. */
     const int nvc = (int)((rows + W - 1) / W); /* vectors of lanes in use */
+    const T *q = (const T *)a->q;
     T *qt_s = (T *)qt;
     const T c = (T)p->scale_log2e;
     for (int64_t e = 0; e < E; e++) {
         T *dst = qt_s + e * BQ;
         if (rows < nvc * W) qt[e * FA_NV + nvc - 1] = (VT){0};
-        for (int64_t r = 0; r < rows; r++) dst[r] = q[r * a->q_stride[2] + e] * c;
+        for (int64_t r = 0; r < rows; r++) dst[r] = q[q_row[r] + e] * c;
     }
     for (int u = 0; u < FA_NV; u++) {
         m[u] = FN(v_splat)(-(T)INFINITY);
         l[u] = (VT){0};
-    }
-
-    const char *mask_rows = 0;
-    if (a->mask_kind != FA_MASK_NONE) {
-        size_t esize = a->mask_kind == FA_MASK_BOOL ? 1 : sizeof(T);
-        mask_rows = (const char *)a->mask +
-                    (b * a->mask_stride[0] + h * a->mask_stride[1] + i0 * a->mask_stride[2]) * (int64_t)esize;
     }
 
     /* The first block starts Oᵀ from 0 (its alpha is 0 anyway), so Oᵀ needs
@@ -229,13 +235,10 @@ static void FN(item)(const fa_plan *p, int64_t b, int64_t h, int64_t i0, void *s
     for (int64_t j0 = j_begin; j0 < j_end; j0 += FA_BK) {
         const int64_t nb = j_end - j0 < FA_BK ? j_end - j0 : FA_BK;
         FN(scores_tile)(nvc, st, k + j0 * k_rs, k_rs, qt, E, nb);
-        if (mask_rows) {
-            size_t esize = a->mask_kind == FA_MASK_BOOL ? 1 : sizeof(T);
-            FN(mask_elements)((T *)st, a, mask_rows + j0 * a->mask_stride[3] * (int64_t)esize, rows, nb);
-        }
+        if (a->mask_kind != FA_MASK_NONE) FN(mask_elements)((T *)st, a, m_row, rows, j0, nb);
         /* Only blocks that cross some row's range boundary need masking; after
          * the caller's mask, so a NaN there at a hidden key stays hidden. */
-        if (lo[rows - 1] > j0 || hi[0] < j0 + nb - 1) FN(mask_ranges)((T *)st, j0, nb, rows, lo, hi);
+        if (lo_max > j0 || hi_min < j0 + nb - 1) FN(mask_ranges)((T *)st, j0, nb, rows, lo, hi);
         FN(softmax_block)(nvc, st, nb, m, l, alpha);
         FN(values_tile)(nvc, ot, v + j0 * v_rs, v_rs, st, Ev, nb, j0 == j_begin ? 0 : alpha);
     }
@@ -249,16 +252,17 @@ static void FN(item)(const fa_plan *p, int64_t b, int64_t h, int64_t i0, void *s
     for (int64_t e = 0; e < Ev; e++)
         for (int u = 0; u < nvc; u++) ot[e * FA_NV + u] *= alpha[u];
     const T *ot_s = (const T *)ot, *m_s = (const T *)m, *l_s = (const T *)l;
-    T *out = (T *)a->out + b * a->out_stride[0] + h * a->out_stride[1] + i0 * a->out_stride[2];
+    T *part = (T *)it->partial;
     for (int64_t r = 0; r < rows; r++) {
-        T *o = out + r * a->out_stride[2];
+        const int64_t t = it->t0 + r, h = hk * p->group + t / L, i = t % L;
+        T *o = part ? part + r * Ev
+                    : (T *)a->out + b * a->out_stride[0] + h * a->out_stride[1] + i * a->out_stride[2];
         for (int64_t e = 0; e < Ev; e++) o[e] = ot_s[e * BQ + r];
-    }
-    if (a->lse) {
-        T *lse = (T *)a->lse + b * a->lse_stride[0] + h * a->lse_stride[1] + i0 * a->lse_stride[2];
-        for (int64_t r = 0; r < rows; r++)
-            lse[r * a->lse_stride[2]] =
-                l_s[r] == 0 ? -(T)INFINITY : m_s[r] * (T)0.69314718055994530942 + FN(log_t)(l_s[r]);
+        T lse_r = l_s[r] == 0 ? -(T)INFINITY : m_s[r] * (T)0.69314718055994530942 + FN(log_t)(l_s[r]);
+        if (part)
+            part[rows * Ev + r] = lse_r;
+        else if (a->lse)
+            ((T *)a->lse)[b * a->lse_stride[0] + h * a->lse_stride[1] + i * a->lse_stride[2]] = lse_r;
     }
 }
 

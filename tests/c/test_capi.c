@@ -2,7 +2,7 @@
  * fa_attention against a naive double-precision loop, for every micro-kernel
  * set this CPU runs, float and double, with causal, window, kv_len, a bool
  * mask, GQA and lse; then checks that bad arguments are refused.
- * Build: cc -O2 -std=gnu99 -fopenmp -Isrc_c tests/c/test_capi.c src_c/*.c -lm
+ * Build: see tests/test_c_api.py (the AVX files need their own flags).
  * Exit status 0 and "C API: N passed, 0 failed" when all is well.
  */
 #include <math.h>
