@@ -165,7 +165,8 @@ int fa_check(const fa_args *a) {
 
 /* How a call is cut into work items (see fa_item). */
 typedef struct fa_work {
-    int64_t bq;        /* query rows per item, the kernel's lane count */
+    int few;           /* row-layout items (kernel_rows.h) */
+    int64_t bq;        /* query rows per item: the kernel's lanes, or all g·L rows */
     int per_head;      /* L >= bq: blocks stay inside one query head */
     int64_t nqb;       /* per_head: blocks per head */
     int64_t blocks;    /* row blocks per (batch entry, key/value head) */
@@ -176,10 +177,13 @@ typedef struct fa_work {
     size_t part_bytes; /* one split-KV part: bq · (Ev + 1) elements */
 } fa_work;
 
-static fa_work plan_work(const fa_args *a, int64_t bq, int64_t group) {
+static fa_work plan_work(const fa_args *a, int64_t bq, int64_t few, int64_t group) {
     fa_work w;
-    w.bq = bq;
-    w.per_head = a->L >= bq;
+    /* Few rows per key/value head (decoding): all of them in one row-layout
+     * item; otherwise blocks of bq rows in lane layout. */
+    w.few = group * a->L <= few;
+    w.bq = w.few ? group * a->L : bq;
+    w.per_head = a->L >= w.bq;
     w.nqb = (a->L + bq - 1) / bq;
     w.blocks = w.per_head ? group * w.nqb : (group * a->L + bq - 1) / bq;
     w.n_base = a->B * a->Hkv * w.blocks;
@@ -307,9 +311,11 @@ int fa_attention(const fa_args *a) {
     plan.wl = a->window_left > far ? far : a->window_left;
     plan.wr = a->window_right > far ? far : a->window_right;
 
-    const fa_work w = plan_work(a, f32 ? kern->rows_f32 : kern->rows_f64, plan.group);
+    const fa_work w = plan_work(a, f32 ? kern->rows_f32 : kern->rows_f64, f32 ? kern->few_f32 : kern->few_f64,
+                                plan.group);
     const size_t scratch = f32 ? kern->scratch_f32(a->E, a->Ev) : kern->scratch_f64(a->E, a->Ev);
-    void (*item)(const fa_plan *, const fa_item *, void *) = f32 ? kern->item_f32 : kern->item_f64;
+    void (*item)(const fa_plan *, const fa_item *, void *) =
+        w.few ? (f32 ? kern->rows_item_f32 : kern->rows_item_f64) : (f32 ? kern->item_f32 : kern->item_f64);
     const int64_t n_items = w.n_base * w.n_chunks;
     char *parts = NULL;
     if (w.n_chunks > 1 && !(parts = scratch_alloc((size_t)n_items * w.part_bytes))) return FA_ERR_NOMEM;

@@ -53,14 +53,67 @@ static inline void fa_visible_range(const fa_plan *p, int64_t b, int64_t i,
     *hi = h;
 }
 
+/* Row r of an item: query head *h and position *i. */
+static inline void fa_row_at(const fa_plan *p, const fa_item *it, int64_t r, int64_t *h, int64_t *i) {
+    const int64_t t = it->t0 + r;
+    *h = it->hk * p->group + t / p->a->L;
+    *i = t % p->a->L;
+}
+
+/* What an item's kernel needs of its rows: each row's visible key range
+ * [lo, hi] within the item's keys, and its element offsets into q and the
+ * mask; over all rows, the union [j_begin, j_end) of the ranges (empty when
+ * j_begin >= j_end) and the largest lo and smallest hi, which tell a block
+ * that every row sees entirely (lo_max <= j0 and j1 - 1 <= hi_min). */
+typedef struct fa_rows {
+    int64_t j_begin, j_end, lo_max, hi_min;
+} fa_rows;
+
+static inline fa_rows fa_item_rows(const fa_plan *p, const fa_item *it, int64_t *lo, int64_t *hi,
+                                   int64_t *q_row, int64_t *m_row) {
+    const fa_args *a = p->a;
+    fa_rows f = {INT64_MAX, INT64_MIN, INT64_MIN, INT64_MAX};
+    for (int64_t r = 0; r < it->rows; r++) {
+        int64_t h, i;
+        fa_row_at(p, it, r, &h, &i);
+        fa_visible_range(p, it->b, i, &lo[r], &hi[r]);
+        if (lo[r] < it->j_from) lo[r] = it->j_from; /* split-KV: this item's share of the keys */
+        if (hi[r] > it->j_to - 1) hi[r] = it->j_to - 1;
+        if (lo[r] > f.lo_max) f.lo_max = lo[r];
+        if (hi[r] < f.hi_min) f.hi_min = hi[r];
+        if (lo[r] <= hi[r] && lo[r] < f.j_begin) f.j_begin = lo[r];
+        if (lo[r] <= hi[r] && hi[r] + 1 > f.j_end) f.j_end = hi[r] + 1;
+        q_row[r] = it->b * a->q_stride[0] + h * a->q_stride[1] + i * a->q_stride[2];
+        m_row[r] = it->b * a->mask_stride[0] + h * a->mask_stride[1] + i * a->mask_stride[2];
+    }
+    return f;
+}
+
+/* Where row r's output and lse go: the caller's arrays, or the item's
+ * split-KV part (rows · Ev outputs, then rows lse values). */
+static inline int64_t fa_out_offset(const fa_plan *p, const fa_item *it, int64_t r, int64_t *lse_off) {
+    const fa_args *a = p->a;
+    int64_t h, i;
+    if (it->partial) {
+        *lse_off = it->rows * a->Ev + r;
+        return r * a->Ev;
+    }
+    fa_row_at(p, it, r, &h, &i);
+    *lse_off = it->b * a->lse_stride[0] + h * a->lse_stride[1] + i * a->lse_stride[2];
+    return it->b * a->out_stride[0] + h * a->out_stride[1] + i * a->out_stride[2];
+}
+
 /* One micro-kernel set: the same source (kernel_item.h) compiled for one ISA. */
 typedef struct fa_kernel {
     const char *name;
-    int64_t rows_f32, rows_f64;                 /* query rows per work item */
+    int64_t rows_f32, rows_f64;                 /* query rows per work item (lanes) */
+    int64_t few_f32, few_f64;                   /* items of at most this many rows: row layout */
     size_t (*scratch_f32)(int64_t E, int64_t Ev);
     size_t (*scratch_f64)(int64_t E, int64_t Ev);
     void (*item_f32)(const fa_plan *p, const fa_item *it, void *scratch);
     void (*item_f64)(const fa_plan *p, const fa_item *it, void *scratch);
+    void (*rows_item_f32)(const fa_plan *p, const fa_item *it, void *scratch);
+    void (*rows_item_f64)(const fa_plan *p, const fa_item *it, void *scratch);
     void (*exp2_f32)(const float *x, float *y, int64_t n);   /* the kernel's 2^x, for tests */
     void (*exp2_f64)(const double *x, double *y, int64_t n);
 } fa_kernel;

@@ -8,6 +8,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 #include "internal.h"
 
 #define FA_T float
@@ -35,10 +36,14 @@ const fa_kernel FA_CAT(fa_kernel_, FA_ISA) = {
     FA_ISA_NAME,
     FA_NV * (FA_VBYTES_F32 / 4),
     FA_NV * (FA_VBYTES_F64 / 8),
+    FA_VBYTES_F32 / 4 / 2, /* few rows: half a vector or less */
+    FA_VBYTES_F64 / 8 / 2,
     scratch_bytes_f32,
     scratch_bytes_f64,
     item_f32,
     item_f64,
+    rows_item_f32,
+    rows_item_f64,
     exp2_array_f32,
     exp2_array_f64,
 };

@@ -22,7 +22,7 @@ static inline size_t FN(round_up)(size_t n) {
 }
 
 /* Scratch of one thread: qt (E × BQ), st (FA_BK × BQ), ot (Ev × BQ), m, l, alpha. */
-static size_t FN(scratch_bytes)(int64_t E, int64_t Ev) {
+static size_t FN(lanes_scratch_bytes)(int64_t E, int64_t Ev) {
     size_t lane_row = (size_t)BQ * sizeof(T);
     return FN(round_up)((size_t)E * lane_row) + FN(round_up)((size_t)FA_BK * lane_row) +
            FN(round_up)((size_t)Ev * lane_row) + 3 * FN(round_up)(lane_row);
@@ -154,33 +154,35 @@ static void FN(softmax_block)(int nvc, VT *st, int64_t nb, VT *m, VT *l, VT *alp
 
 /* Structural visibility on a boundary block: key j0+j is visible to row r iff
  * lo[r] ≤ j0+j ≤ hi[r]. */
-static void FN(mask_ranges)(T *st, int64_t j0, int64_t nb, int64_t rows, const int64_t *lo, const int64_t *hi) {
+static void FN(mask_ranges)(T *st, int64_t rs, int64_t js, int64_t j0, int64_t nb, int64_t rows,
+                            const int64_t *lo, const int64_t *hi) {
     for (int64_t j = 0; j < nb; j++)
         for (int64_t r = 0; r < rows; r++)
-            if (j0 + j < lo[r] || j0 + j > hi[r]) st[j * BQ + r] = -(T)INFINITY;
+            if (j0 + j < lo[r] || j0 + j > hi[r]) st[r * rs + j * js] = -(T)INFINITY;
 }
 
 /* The caller's mask on one block: bool (0 hides) or additive (· log2 e, since
- * scores are base 2). m_row[r] is row r's element offset, j0 the first key. */
-static void FN(mask_elements)(T *st, const fa_args *a, const int64_t *m_row, int64_t rows, int64_t j0,
-                              int64_t nb) {
+ * scores are base 2). m_row[r] is row r's element offset, j0 the first key.
+ * Score (r, j) of the block is st[r·rs + j·js] (both layouts use these). */
+static void FN(mask_elements)(T *st, int64_t rs, int64_t js, const fa_args *a, const int64_t *m_row,
+                              int64_t rows, int64_t j0, int64_t nb) {
     const int64_t m_cs = a->mask_stride[3];
     if (a->mask_kind == FA_MASK_BOOL) {
         const uint8_t *mk = (const uint8_t *)a->mask + j0 * m_cs;
         for (int64_t r = 0; r < rows; r++)
             for (int64_t j = 0; j < nb; j++)
-                if (!mk[m_row[r] + j * m_cs]) st[j * BQ + r] = -(T)INFINITY;
+                if (!mk[m_row[r] + j * m_cs]) st[r * rs + j * js] = -(T)INFINITY;
     } else {
         const T *mk = (const T *)a->mask + j0 * m_cs;
         const T log2e = (T)1.4426950408889634074;
         for (int64_t r = 0; r < rows; r++)
-            for (int64_t j = 0; j < nb; j++) st[j * BQ + r] += mk[m_row[r] + j * m_cs] * log2e;
+            for (int64_t j = 0; j < nb; j++) st[r * rs + j * js] += mk[m_row[r] + j * m_cs] * log2e;
     }
 }
 
 static void FN(item)(const fa_plan *p, const fa_item *it, void *scratch) {
     const fa_args *a = p->a;
-    const int64_t E = a->E, Ev = a->Ev, L = a->L, b = it->b, hk = it->hk, rows = it->rows;
+    const int64_t E = a->E, Ev = a->Ev, b = it->b, hk = it->hk, rows = it->rows;
     const T *k = (const T *)a->k + b * a->k_stride[0] + hk * a->k_stride[1];
     const T *v = (const T *)a->v + b * a->v_stride[0] + hk * a->v_stride[1];
     const int64_t k_rs = a->k_stride[2], v_rs = a->v_stride[2];
@@ -194,23 +196,9 @@ static void FN(item)(const fa_plan *p, const fa_item *it, void *scratch) {
     VT *l = (VT *)s;       s += FN(round_up)(lane_row);
     VT *alpha = (VT *)s;
 
-    /* Each row's query head h and position i, and from them its visible key
-     * range and its offsets into q, out, lse and mask. Padding lanes are
-     * never masked: they are discarded. */
     int64_t lo[BQ], hi[BQ], q_row[BQ], m_row[BQ];
-    int64_t lo_max = INT64_MIN, hi_min = INT64_MAX, j_begin = INT64_MAX, j_end = INT64_MIN;
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t t = it->t0 + r, h = hk * p->group + t / L, i = t % L;
-        fa_visible_range(p, b, i, &lo[r], &hi[r]);
-        if (lo[r] < it->j_from) lo[r] = it->j_from; /* split-KV: this item's share of the keys */
-        if (hi[r] > it->j_to - 1) hi[r] = it->j_to - 1;
-        if (lo[r] > lo_max) lo_max = lo[r];
-        if (hi[r] < hi_min) hi_min = hi[r];
-        if (lo[r] <= hi[r] && lo[r] < j_begin) j_begin = lo[r];
-        if (lo[r] <= hi[r] && hi[r] + 1 > j_end) j_end = hi[r] + 1;
-        q_row[r] = b * a->q_stride[0] + h * a->q_stride[1] + i * a->q_stride[2];
-        m_row[r] = b * a->mask_stride[0] + h * a->mask_stride[1] + i * a->mask_stride[2];
-    }
+    const fa_rows f = fa_item_rows(p, it, lo, hi, q_row, m_row);
+    const int64_t j_begin = f.j_begin, j_end = f.j_end;
 
     /* Qᵀ · scale·log2 e, written row by row of Qᵀ; padding lanes 0. */
     const int nvc = (int)((rows + W - 1) / W); /* vectors of lanes in use */
@@ -235,10 +223,10 @@ static void FN(item)(const fa_plan *p, const fa_item *it, void *scratch) {
     for (int64_t j0 = j_begin; j0 < j_end; j0 += FA_BK) {
         const int64_t nb = j_end - j0 < FA_BK ? j_end - j0 : FA_BK;
         FN(scores_tile)(nvc, st, k + j0 * k_rs, k_rs, qt, E, nb);
-        if (a->mask_kind != FA_MASK_NONE) FN(mask_elements)((T *)st, a, m_row, rows, j0, nb);
+        if (a->mask_kind != FA_MASK_NONE) FN(mask_elements)((T *)st, 1, BQ, a, m_row, rows, j0, nb);
         /* Only blocks that cross some row's range boundary need masking; after
          * the caller's mask, so a NaN there at a hidden key stays hidden. */
-        if (lo_max > j0 || hi_min < j0 + nb - 1) FN(mask_ranges)((T *)st, j0, nb, rows, lo, hi);
+        if (f.lo_max > j0 || f.hi_min < j0 + nb - 1) FN(mask_ranges)((T *)st, 1, BQ, j0, nb, rows, lo, hi);
         FN(softmax_block)(nvc, st, nb, m, l, alpha);
         FN(values_tile)(nvc, ot, v + j0 * v_rs, v_rs, st, Ev, nb, j0 == j_begin ? 0 : alpha);
     }
@@ -252,19 +240,15 @@ static void FN(item)(const fa_plan *p, const fa_item *it, void *scratch) {
     for (int64_t e = 0; e < Ev; e++)
         for (int u = 0; u < nvc; u++) ot[e * FA_NV + u] *= alpha[u];
     const T *ot_s = (const T *)ot, *m_s = (const T *)m, *l_s = (const T *)l;
-    T *part = (T *)it->partial;
+    T *out = it->partial ? (T *)it->partial : (T *)a->out, *lse = it->partial ? (T *)it->partial : (T *)a->lse;
     for (int64_t r = 0; r < rows; r++) {
-        const int64_t t = it->t0 + r, h = hk * p->group + t / L, i = t % L;
-        T *o = part ? part + r * Ev
-                    : (T *)a->out + b * a->out_stride[0] + h * a->out_stride[1] + i * a->out_stride[2];
-        for (int64_t e = 0; e < Ev; e++) o[e] = ot_s[e * BQ + r];
-        T lse_r = l_s[r] == 0 ? -(T)INFINITY : m_s[r] * (T)0.69314718055994530942 + FN(log_t)(l_s[r]);
-        if (part)
-            part[rows * Ev + r] = lse_r;
-        else if (a->lse)
-            ((T *)a->lse)[b * a->lse_stride[0] + h * a->lse_stride[1] + i * a->lse_stride[2]] = lse_r;
+        int64_t lse_off, o_off = fa_out_offset(p, it, r, &lse_off);
+        for (int64_t e = 0; e < Ev; e++) out[o_off + e] = ot_s[e * BQ + r];
+        if (lse) lse[lse_off] = l_s[r] == 0 ? -(T)INFINITY : m_s[r] * (T)0.69314718055994530942 + FN(log_t)(l_s[r]);
     }
 }
+
+#include "kernel_rows.h"
 
 /* y = 2^x through the kernel's own v_exp2, for the accuracy test. */
 static void FN(exp2_array)(const T *x, T *y, int64_t n) {

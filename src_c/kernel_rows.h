@@ -1,0 +1,182 @@
+/* kernel_rows.h — items of a few query rows (decoding: one new row per head,
+ * or the g heads of one grouped-query group), in row layout. Included by
+ * kernel_item.h, whose vocabulary and masks it shares.
+ *
+ * With few rows the lane layout wastes its lanes: one row in a 16-lane vector
+ * is one useful multiply-add per K element, and decoding must stream K and V
+ * at memory speed. Here vectors run along the head dim instead: a score is a
+ * dot product of q with a K row (vector FMAs, then one horizontal sum), and
+ * P·V adds p·(V row) into each output row. Every K and V vector is loaded
+ * once and used by all the item's rows.
+ */
+#define FA_FEW 8   /* rows at most (the table's few_rows, W/2, is never more) */
+
+static inline VT FN(v_loadu)(const T *x) {
+    VT v;
+    memcpy(&v, x, sizeof v);
+    return v;
+}
+
+/* The first n < W elements of x, the rest 0 (never reads past x[n-1]). */
+static inline VT FN(v_load_part)(const T *x, int n) {
+    VT v = {0};
+    for (int u = 0; u < n; u++) v[u] = x[u];
+    return v;
+}
+
+/* Σ of the lanes, as a tree (W/2 + W/4 + … adds, log2 W deep). */
+static inline T FN(v_hsum)(VT x) {
+    T t[W];
+    memcpy(t, &x, sizeof t);
+    for (int w = W / 2; w > 0; w /= 2)
+        for (int u = 0; u < w; u++) t[u] += t[u + w];
+    return t[0];
+}
+
+/* max of the lanes; like v_max, a NaN lane never wins. */
+static inline T FN(v_hmax)(VT x) {
+    T t[W];
+    memcpy(t, &x, sizeof t);
+    for (int w = W / 2; w > 0; w /= 2)
+        for (int u = 0; u < w; u++) t[u] = t[u + w] > t[u] ? t[u + w] : t[u];
+    return t[0];
+}
+
+static size_t FN(rows_scratch_bytes)(int64_t E, int64_t Ev) {
+    const size_t nE = (size_t)((E + W - 1) / W), nEv = (size_t)((Ev + W - 1) / W);
+    return FN(round_up)(FA_FEW * nE * sizeof(VT)) + FN(round_up)(FA_FEW * nEv * sizeof(VT)) +
+           FN(round_up)(FA_FEW * FA_BK * sizeof(T));
+}
+
+static size_t FN(scratch_bytes)(int64_t E, int64_t Ev) {
+    size_t lanes = FN(lanes_scratch_bytes)(E, Ev), few = FN(rows_scratch_bytes)(E, Ev);
+    return lanes > few ? lanes : few;
+}
+
+/* s[r][j] = q_r · K_j for the nb keys of a block, R rows (a constant here). */
+static inline __attribute__((always_inline)) void FN(dot_scores_n)(
+    const int R, T *st, const VT *qs, int64_t nE, const T *k, int64_t k_rs, int64_t E, int64_t nb) {
+    const int64_t full = E / W, tail = E % W;
+    for (int64_t j = 0; j < nb; j++) {
+        const T *kj = k + j * k_rs;
+        VT acc[FA_FEW];
+        for (int r = 0; r < R; r++) acc[r] = (VT){0};
+        for (int64_t u = 0; u < full; u++) {
+            const VT kv = FN(v_loadu)(kj + u * W);
+            for (int r = 0; r < R; r++) acc[r] += qs[r * nE + u] * kv;
+        }
+        if (tail) {
+            const VT kv = FN(v_load_part)(kj + full * W, (int)tail);
+            for (int r = 0; r < R; r++) acc[r] += qs[r * nE + full] * kv;
+        }
+        for (int r = 0; r < R; r++) st[r * FA_BK + j] = FN(v_hsum)(acc[r]);
+    }
+}
+
+/* o[r] = o[r]·alpha[r] + Σ_j p[r][j] · V_j, one vector of the head dim at a
+ * time so the R accumulators stay in registers; first: start from 0. */
+static inline __attribute__((always_inline)) void FN(dot_values_n)(
+    const int R, VT *os, int64_t nEv, const T *st, const T *v, int64_t v_rs, int64_t Ev, int64_t nb,
+    const T *alpha, int first) {
+    const int64_t full = Ev / W, tail = Ev % W;
+    for (int64_t u = 0; u < nEv; u++) {
+        VT acc[FA_FEW];
+        for (int r = 0; r < R; r++) acc[r] = first ? (VT){0} : os[r * nEv + u] * alpha[r];
+        for (int64_t j = 0; j < nb; j++) {
+            const T *vj = v + j * v_rs + u * W;
+            const VT vv = u < full ? FN(v_loadu)(vj) : FN(v_load_part)(vj, (int)tail);
+            for (int r = 0; r < R; r++) acc[r] += st[r * FA_BK + j] * vv;
+        }
+        for (int r = 0; r < R; r++) os[r * nEv + u] = acc[r];
+    }
+}
+
+#define FA_BY_ROWS(R, call)                                                   \
+    switch (R) {                                                              \
+    case 1: call(1); break;                                                   \
+    case 2: call(2); break;                                                   \
+    case 3: call(3); break;                                                   \
+    case 4: call(4); break;                                                   \
+    case 5: call(5); break;                                                   \
+    case 6: call(6); break;                                                   \
+    case 7: call(7); break;                                                   \
+    default: call(8); break;                                                  \
+    }
+
+/* Online softmax of one block, row by row (base 2, as in softmax_block). */
+static void FN(rows_softmax)(T *st, int64_t rows, int64_t nb, T *m, T *l, T *alpha) {
+    const int64_t nbv = (nb + W - 1) / W;
+    for (int64_t r = 0; r < rows; r++) {
+        T *s = st + r * FA_BK;
+        for (int64_t j = nb; j < nbv * W; j++) s[j] = -(T)INFINITY; /* pad the last vector */
+        VT mx = FN(v_splat)(m[r]);
+        for (int64_t u = 0; u < nbv; u++) mx = FN(v_max)(mx, FN(v_loadu)(s + u * W));
+        const T m_new = FN(v_hmax)(mx), m_sub = m_new == -(T)INFINITY ? 0 : m_new;
+        VT sum = {0};
+        for (int64_t u = 0; u < nbv; u++) {
+            VT pv = FN(v_exp2)(FN(v_loadu)(s + u * W) - m_sub);
+            memcpy(s + u * W, &pv, sizeof pv);
+            sum += pv;
+        }
+        alpha[r] = FN(v_exp2)(FN(v_splat)(m[r] - m_sub))[0];
+        l[r] = l[r] * alpha[r] + FN(v_hsum)(sum);
+        m[r] = m_new;
+    }
+}
+
+static void FN(rows_item)(const fa_plan *p, const fa_item *it, void *scratch) {
+    const fa_args *a = p->a;
+    const int64_t E = a->E, Ev = a->Ev, rows = it->rows;
+    const int64_t nE = (E + W - 1) / W, nEv = (Ev + W - 1) / W;
+    const T *k = (const T *)a->k + it->b * a->k_stride[0] + it->hk * a->k_stride[1];
+    const T *v = (const T *)a->v + it->b * a->v_stride[0] + it->hk * a->v_stride[1];
+    const int64_t k_rs = a->k_stride[2], v_rs = a->v_stride[2];
+
+    char *sp = (char *)scratch;
+    VT *qs = (VT *)sp;  sp += FN(round_up)(FA_FEW * (size_t)nE * sizeof(VT));
+    VT *os = (VT *)sp;  sp += FN(round_up)(FA_FEW * (size_t)nEv * sizeof(VT));
+    T *st = (T *)sp;
+
+    int64_t lo[FA_FEW], hi[FA_FEW], q_row[FA_FEW], m_row[FA_FEW];
+    const fa_rows f = fa_item_rows(p, it, lo, hi, q_row, m_row);
+
+    /* q · scale·log2 e, each row padded with zeros to whole vectors. */
+    const T c = (T)p->scale_log2e;
+    for (int64_t r = 0; r < rows; r++) {
+        T *dst = (T *)(qs + r * nE);
+        for (int64_t e = 0; e < E; e++) dst[e] = ((const T *)a->q)[q_row[r] + e] * c;
+        for (int64_t e = E; e < nE * W; e++) dst[e] = 0;
+    }
+    T m[FA_FEW], l[FA_FEW], alpha[FA_FEW];
+    for (int64_t r = 0; r < rows; r++) {
+        m[r] = -(T)INFINITY;
+        l[r] = 0;
+    }
+    if (f.j_begin >= f.j_end)
+        for (int64_t u = 0; u < rows * nEv; u++) os[u] = (VT){0};
+
+    for (int64_t j0 = f.j_begin; j0 < f.j_end; j0 += FA_BK) {
+        const int64_t nb = f.j_end - j0 < FA_BK ? f.j_end - j0 : FA_BK;
+#define FA_CALL(R) FN(dot_scores_n)(R, st, qs, nE, k + j0 * k_rs, k_rs, E, nb)
+        FA_BY_ROWS(rows, FA_CALL)
+#undef FA_CALL
+        if (a->mask_kind != FA_MASK_NONE) FN(mask_elements)(st, FA_BK, 1, a, m_row, rows, j0, nb);
+        if (f.lo_max > j0 || f.hi_min < j0 + nb - 1) FN(mask_ranges)(st, FA_BK, 1, j0, nb, rows, lo, hi);
+        FN(rows_softmax)(st, rows, nb, m, l, alpha);
+#define FA_CALL(R) FN(dot_values_n)(R, os, nEv, st, v + j0 * v_rs, v_rs, Ev, nb, alpha, j0 == f.j_begin)
+        FA_BY_ROWS(rows, FA_CALL)
+#undef FA_CALL
+    }
+
+    /* out = o / l (0 for a row with no visible key); lse = m·ln 2 + ln l. */
+    T *out = it->partial ? (T *)it->partial : (T *)a->out, *lse = it->partial ? (T *)it->partial : (T *)a->lse;
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t lse_off, o_off = fa_out_offset(p, it, r, &lse_off);
+        const T inv = l[r] == 0 ? 0 : 1 / l[r];
+        const T *o_r = (const T *)(os + r * nEv);
+        for (int64_t e = 0; e < Ev; e++) out[o_off + e] = o_r[e] * inv;
+        if (lse) lse[lse_off] = l[r] == 0 ? -(T)INFINITY : m[r] * (T)0.69314718055994530942 + FN(log_t)(l[r]);
+    }
+}
+
+#undef FA_FEW
