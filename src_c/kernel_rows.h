@@ -59,6 +59,8 @@ static inline __attribute__((always_inline)) void FN(dot_scores_n)(
     const int64_t full = E / W, tail = E % W;
     for (int64_t j = 0; j < nb; j++) {
         const T *kj = k + j * k_rs;
+        /* The next block's row: decoding streams K and V from memory once. */
+        for (int64_t e = 0; e < E; e += 64 / (int64_t)sizeof(T)) __builtin_prefetch(kj + FA_BK * k_rs + e);
         VT acc[FA_FEW];
         for (int r = 0; r < R; r++) acc[r] = (VT){0};
         for (int64_t u = 0; u < full; u++) {
@@ -84,6 +86,7 @@ static inline __attribute__((always_inline)) void FN(dot_values_n)(
         for (int r = 0; r < R; r++) acc[r] = first ? (VT){0} : os[r * nEv + u] * alpha[r];
         for (int64_t j = 0; j < nb; j++) {
             const T *vj = v + j * v_rs + u * W;
+            if (u * W % (64 / (int64_t)sizeof(T)) == 0) __builtin_prefetch(vj + FA_BK * v_rs);
             const VT vv = u < full ? FN(v_loadu)(vj) : FN(v_load_part)(vj, (int)tail);
             for (int r = 0; r < R; r++) acc[r] += st[r * FA_BK + j] * vv;
         }
