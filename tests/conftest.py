@@ -1,9 +1,8 @@
-"""Shared test set-up: refuse to test an un-built source tree, and helpers
-that every test module uses (random inputs, the float32 tolerance rule)."""
+"""Shared test set-up: refuse to test an un-built source tree, report the
+build in the header, and the `isa` fixture. Helpers live in _helpers.py."""
 import os
 import pathlib
 
-import numpy as np
 import pytest
 
 import fastattn
@@ -35,23 +34,3 @@ def isa(request):
     fastattn.set_isa(request.param)
     yield request.param
     fastattn.set_isa(None)
-
-
-def randn(rng, shape, dtype=np.float32):
-    return rng.standard_normal(shape).astype(dtype)
-
-
-def tolerance(q, k, v, **kw):
-    """How far fastattn may be from the float64 reference on these inputs.
-
-    float32: max(2 × the error of textbook float32 NumPy on the same inputs,
-    16·2⁻²⁴·max|V|); float64: 1e-12 relative to max|V|.
-    """
-    v = np.asarray(v)
-    vmax = float(np.max(np.abs(v))) if v.size else 0.0
-    if np.asarray(q).dtype == np.float64:
-        return 1e-12 * max(vmax, 1.0)
-    ref = fastattn.reference.attention(q, k, v, **kw)
-    f32 = fastattn.reference.attention(q, k, v, dtype=np.float32, **kw)
-    textbook = float(np.max(np.abs(f32 - ref))) if ref.size else 0.0
-    return max(2 * textbook, 16 * 2.0**-24 * vmax)

@@ -1,0 +1,26 @@
+"""Helpers every test module shares: `from _helpers import randn, tolerance`
+(pytest's `pythonpath = ["tests"]` puts this folder, not the repository root,
+on sys.path)."""
+import numpy as np
+
+import fastattn
+
+
+def randn(rng, shape, dtype=np.float32):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def tolerance(q, k, v, **kw):
+    """How far fastattn may be from the float64 reference on these inputs.
+
+    float32: max(2 × the error of textbook float32 NumPy on the same inputs,
+    16·2⁻²⁴·max|V|); float64: 1e-12 relative to max|V|.
+    """
+    v = np.asarray(v)
+    vmax = float(np.max(np.abs(v))) if v.size else 0.0
+    if np.asarray(q).dtype == np.float64:
+        return 1e-12 * max(vmax, 1.0)
+    ref = fastattn.reference.attention(q, k, v, **kw)
+    f32 = fastattn.reference.attention(q, k, v, dtype=np.float32, **kw)
+    textbook = float(np.max(np.abs(f32 - ref))) if ref.size else 0.0
+    return max(2 * textbook, 16 * 2.0**-24 * vmax)
