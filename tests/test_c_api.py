@@ -99,3 +99,18 @@ def test_header_is_self_contained(tmp_path):
     assert isa and isa.group(1) in ("avx512", "avx2", "sse2", "neon", "scalar"), r.stdout
     heads = re.search(r"^heads=(.+)$", r.stdout, re.M)
     assert heads and "Hkv" in heads.group(1), r.stdout
+
+
+def test_capi_on_arm64_under_qemu(tmp_path):
+    """The same C test cross-compiled for arm64 (NEON and scalar sets) and run
+    under qemu-user: the build must run on arm64 too. Skipped unless Debian's
+    gcc-aarch64-linux-gnu and qemu-user are installed."""
+    cc, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
+    if not (cc and qemu):
+        pytest.skip("needs aarch64-linux-gnu-gcc and qemu-aarch64 (apt-get install gcc-aarch64-linux-gnu qemu-user)")
+    exe = tmp_path / "test_capi_arm64"
+    _run([cc, "-O2", "-std=gnu99", "-fopenmp", "-static", f"-I{SRC}", str(REPO / "tests" / "c" / "test_capi.c"),
+          *(str(SRC / n) for n in CORE), "-o", str(exe), "-lm"])
+    result = _run([qemu, str(exe)])
+    assert "neon: checked" in result.stdout, result.stdout
+    _check_summary(result)
