@@ -9,6 +9,9 @@ from fastattn._version import __version__
 from fastattn._api import attention, scaled_dot_product_attention
 from fastattn._info import info, set_isa, available_isas
 from fastattn import reference
+from fastattn.cache import KVCache
+from fastattn.merge import merge_attention
+from fastattn.layers import MultiHeadAttention
 
 __all__ = [
     "__version__",
@@ -18,4 +21,7 @@ __all__ = [
     "set_isa",
     "available_isas",
     "reference",
+    "KVCache",
+    "merge_attention",
+    "MultiHeadAttention",
 ]

@@ -1,0 +1,99 @@
+"""The examples run as documented: examples/c/decode.c built with the plain
+`cc` line of examples/README.md (src_c/ only, no Python) passes its own
+checks, and examples/transformer.py generates the same tokens with fastattn
+and with NumPy attention, and exits 1 when they differ."""
+import importlib.util
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+# The README's build line, verbatim: the test builds exactly what users are told to.
+CC_LINE = ("cc -O2 -std=gnu99 -fopenmp -Isrc_c examples/c/decode.c src_c/attention.c src_c/dispatch.c "
+           "src_c/kernels_scalar.c src_c/kernels_vec128.c -o decode -lm")
+
+
+def _run(cmd, **kw):
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, **kw)
+
+
+def test_readme_shows_the_build_line():
+    assert CC_LINE in (EXAMPLES / "README.md").read_text()
+    assert CC_LINE in (EXAMPLES / "c" / "decode.c").read_text().split("*/")[0]
+
+
+@pytest.fixture(scope="module")
+def decode_binary(tmp_path_factory):
+    cc = shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler `cc` on PATH")
+    exe = tmp_path_factory.mktemp("decode") / "decode"
+    cmd = [cc if w == "cc" else w for w in CC_LINE.split()]
+    cmd[cmd.index("-o") + 1] = str(exe)
+    r = _run(cmd)
+    assert r.returncode == 0, f"{' '.join(cmd)} failed:\n{r.stderr}"
+    return exe
+
+
+@pytest.mark.parametrize("isa, threads", [(None, "2"), ("scalar", "1")])
+def test_c_decode_example_passes(decode_binary, isa, threads):
+    env = {k: v for k, v in os.environ.items() if k != "FASTATTN_ISA"}
+    if isa:
+        env["FASTATTN_ISA"] = isa
+    # Passive waiting: on a loaded machine a spinning two-thread team can
+    # cost milliseconds per step (1100 steps), and this test checks results.
+    env["OMP_WAIT_POLICY"] = "passive"
+    # 1100 steps: the cache grows past the 1024 keys where split-KV starts.
+    r = _run([str(decode_binary), "1100", threads], env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "passed" in r.stdout and "FAILED" not in r.stdout
+    assert re.search(r"fa_attention: \d+ steps/s", r.stdout), r.stdout
+    assert f"{threads} threads" in r.stdout
+    if isa:
+        assert f"isa {isa}" in r.stdout
+
+
+def test_c_decode_example_rejects_bad_arguments(decode_binary):
+    r = _run([str(decode_binary), "0"])
+    assert r.returncode == 2 and "usage" in r.stderr
+
+
+SMALL = ["--tokens", "8", "--layers", "2", "--prompt", "16", "--repeats", "1"]
+
+
+def test_transformer_example_generates_the_same_tokens_both_ways():
+    r = _run([sys.executable, str(EXAMPLES / "transformer.py"), *SMALL])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "same tokens with fastattn and numpy: yes" in r.stdout
+    tokens = re.search(r"tokens \(fastattn\): ([\d ]+)", r.stdout)
+    assert tokens and len(tokens.group(1).split()) == 8, r.stdout
+    for row in ("fastattn ", "numpy ", "fastattn, BLAS 1 thread", "fastattn, num_threads=1"):
+        assert re.search(rf"^{re.escape(row)}\s*[\d ]*\d+\s+\d+\.\d\s+\d+\.\d\d$", r.stdout, re.M), row
+    assert "thread-pool contention" in r.stdout
+
+
+def test_transformer_example_help_and_single_mode():
+    r = _run([sys.executable, str(EXAMPLES / "transformer.py"), "--help"])
+    assert r.returncode == 0 and "--attention" in r.stdout and "--tokens" in r.stdout
+    r = _run([sys.executable, str(EXAMPLES / "transformer.py"), *SMALL, "--attention", "numpy"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "tokens (numpy):" in r.stdout and "fastattn," not in r.stdout
+
+
+def test_transformer_example_exits_1_when_the_tokens_differ(monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location("transformer_example", EXAMPLES / "transformer.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    textbook = example.numpy_attention
+    # A NumPy attention with doubled scores: a different model, other tokens.
+    monkeypatch.setattr(example, "numpy_attention", lambda q, k, v, causal: textbook(2 * q, k, v, causal))
+    assert example.main(SMALL) == 1
+    out = capsys.readouterr().out
+    assert "same tokens with fastattn and numpy: NO" in out
+    assert "tokens (numpy):" in out
