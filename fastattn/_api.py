@@ -224,9 +224,9 @@ def attention(q, k, v, *, mask=None, causal=False, window=None, kv_lengths=None,
     lse : ndarray, (..., Hq, L)
         Only with ``return_lse=True``.
     """
-    if (mask is None and window is None and kv_lengths is None and scale is None and out is None
+    if (mask is None and window is None and scale is None and out is None
             and num_threads is None and not return_lse and (causal is False or causal is True)):
-        result = _kernel.attention_fast(q, k, v, causal)
+        result = _kernel.attention_fast(q, k, v, causal, kv_lengths)
         if result is not None:
             return result
     q = _as_input(q, "q")

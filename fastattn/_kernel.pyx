@@ -161,11 +161,13 @@ cdef bint _plain(object x, int ndim, int type_num):
     return cnp.PyArray_DIM(a, ndim - 1) <= 1 or cnp.PyArray_STRIDE(a, ndim - 1) == size
 
 
-def attention_fast(q, k, v, bint causal):
+def attention_fast(q, k, v, bint causal, kv_lengths=None):
     """The common call — q, k, v plain arrays of one float dtype and one rank
-    (2, 3 or 4), equal batch axes, no mask, default scale — checked and run
-    without the general path's broadcasting. Returns None for anything else,
-    and the caller takes the general path (which also words every error)."""
+    (2, 3 or 4), equal batch axes, no mask, default scale, kv_lengths None or
+    a 1-D int64 array with one entry per batch entry of 4-D inputs (a KV
+    cache's decoding step) — checked and run without the general path's
+    broadcasting. Returns None for anything else, and for any argument C
+    refuses: the caller then takes the general path, which words the error."""
     if type(q) is not cnp.ndarray:
         return None
     cdef cnp.ndarray qa = <cnp.ndarray>q, ka, va, out
@@ -208,6 +210,17 @@ def attention_fast(q, k, v, bint causal):
     _strides_right(out, a.out_stride)
     a.scale = 1.0 / sqrt(<double>E)  # as _api._scale: the same bits on both paths
     a.causal = causal
+    cdef cnp.ndarray lens
+    if kv_lengths is not None:
+        if (type(kv_lengths) is not cnp.ndarray or nd != 4 or cnp.PyArray_NDIM(<cnp.ndarray>kv_lengths) != 1
+                or cnp.PyArray_TYPE(<cnp.ndarray>kv_lengths) != cnp.NPY_INT64
+                or not cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>kv_lengths)
+                or cnp.PyArray_DIM(<cnp.ndarray>kv_lengths, 0) != a.B):
+            return None
+        lens = <cnp.ndarray>kv_lengths
+        a.kv_len = <const int64_t *>cnp.PyArray_DATA(lens)
+    if fa_check(&a):
+        return None
     with nogil:
         rc = fa_attention(&a)
     if rc:

@@ -151,10 +151,13 @@ int fa_check(const fa_args *a) {
     return FA_OK;
 }
 
-/* Below this many multiply-adds (L·S·(E+Ev) summed over heads) a call runs on
- * the calling thread: waking a team costs a few microseconds, more than the
- * whole call. */
-#define FA_SERIAL_WORK (1 << 18)
+/* Below this many multiply-adds (L·S·(E+Ev) summed over heads, S counting
+ * only keys some batch entry can see) a call runs on the calling thread:
+ * such a call takes tens of microseconds on one core, and waking a team, and
+ * meeting it at the barrier, costs a good part of that on an idle machine —
+ * and milliseconds when another process (NumPy's spinning OpenBLAS threads,
+ * say) holds the other cores. */
+#define FA_SERIAL_WORK (1 << 20)
 
 /* Split-KV: a call with fewer row blocks than this (decoding: one query row
  * per head) also splits the keys into chunks, computed in parallel and merged
@@ -177,6 +180,15 @@ typedef struct fa_work {
     size_t part_bytes; /* one split-KV part: bq · (Ev + 1) elements */
 } fa_work;
 
+/* Keys that some batch entry can see: S, or the longest kv_len. */
+static int64_t fa_keys_seen(const fa_args *a) {
+    if (!a->kv_len) return a->S;
+    int64_t most = 0;
+    for (int64_t b = 0; b < a->B; b++)
+        if (a->kv_len[b] > most) most = a->kv_len[b];
+    return most;
+}
+
 static fa_work plan_work(const fa_args *a, int64_t bq, int64_t few, int64_t group) {
     fa_work w;
     /* Few rows per key/value head (decoding): all of them in one row-layout
@@ -187,13 +199,16 @@ static fa_work plan_work(const fa_args *a, int64_t bq, int64_t few, int64_t grou
     w.nqb = (a->L + bq - 1) / bq;
     w.blocks = w.per_head ? group * w.nqb : (group * a->L + bq - 1) / bq;
     w.n_base = a->B * a->Hkv * w.blocks;
+    /* Chunks cover the keys some batch entry can see (a KV cache is often
+     * far from full), so every chunk has work. */
     w.n_chunks = 1;
     w.chunk = a->S;
-    if (w.n_base < FA_SPLIT_ITEMS && a->S >= 2 * FA_SPLIT_MIN_KEYS) {
-        int64_t want = (FA_SPLIT_ITEMS + w.n_base - 1) / w.n_base, most = a->S / FA_SPLIT_MIN_KEYS;
+    const int64_t S_seen = fa_keys_seen(a);
+    if (w.n_base < FA_SPLIT_ITEMS && S_seen >= 2 * FA_SPLIT_MIN_KEYS) {
+        int64_t want = (FA_SPLIT_ITEMS + w.n_base - 1) / w.n_base, most = S_seen / FA_SPLIT_MIN_KEYS;
         int64_t n = want < most ? want : most;
-        w.chunk = ((a->S + n - 1) / n + 63) / 64 * 64;
-        w.n_chunks = (a->S + w.chunk - 1) / w.chunk;
+        w.chunk = ((S_seen + n - 1) / n + 63) / 64 * 64;
+        w.n_chunks = (S_seen + w.chunk - 1) / w.chunk;
     }
     w.reverse = a->causal || a->window_right >= 0;
     w.part_bytes = (size_t)bq * (size_t)(a->Ev + 1) * (a->dtype == FA_F32 ? sizeof(float) : sizeof(double));
@@ -327,7 +342,7 @@ int fa_attention(const fa_args *a) {
     const int forked = 0;
 #endif
     int threads = forked ? 1 : a->num_threads > 0 ? a->num_threads : fa_max_threads();
-    double work = (double)a->B * a->Hq * a->L * a->S * (a->E + a->Ev);
+    double work = (double)a->B * a->Hq * a->L * fa_keys_seen(a) * (a->E + a->Ev);
     if (work < FA_SERIAL_WORK) threads = 1;
     if ((int64_t)threads > n_items) threads = (int)n_items;
 

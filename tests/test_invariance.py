@@ -20,7 +20,7 @@ f32, f64 = np.float32, np.float64
 # Below this many multiply-adds (B·Hq·L·S·(E+Ev)) the kernel runs on the
 # calling thread (FA_SERIAL_WORK in src_c/attention.c); the shapes that test
 # threads stay well above it.
-SERIAL_WORK = 1 << 18
+SERIAL_WORK = 1 << 20
 
 
 def _rng(*key):
