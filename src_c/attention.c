@@ -159,6 +159,18 @@ int fa_check(const fa_args *a) {
  * say) holds the other cores. */
 #define FA_SERIAL_WORK (1 << 20)
 
+/* Contention guard. When another thread pool holds the cores (NumPy's
+ * OpenBLAS threads spin for a while after each matmul), a team's worker can
+ * start milliseconds late, and the call waits for it at the closing barrier.
+ * A call that sees a worker start more than FA_LATE_START seconds after the
+ * team was asked for runs the next FA_BACKOFF_CALLS calls below
+ * FA_BACKOFF_WORK multiply-adds on the calling thread, then tries the team
+ * again. Results never depend on the thread count, so this changes speed only. */
+#define FA_LATE_START 200e-6
+#define FA_BACKOFF_CALLS 64
+#define FA_BACKOFF_WORK (1 << 24)
+static int fa_backoff = 0; /* calls left to run serially; atomics only */
+
 /* Split-KV: a call with fewer row blocks than this (decoding: one query row
  * per head) also splits the keys into chunks, computed in parallel and merged
  * by log-sum-exp. The chunk length depends on the shape only, never on the
@@ -344,6 +356,10 @@ int fa_attention(const fa_args *a) {
     int threads = forked ? 1 : a->num_threads > 0 ? a->num_threads : fa_max_threads();
     double work = (double)a->B * a->Hq * a->L * fa_keys_seen(a) * (a->E + a->Ev);
     if (work < FA_SERIAL_WORK) threads = 1;
+    if (threads > 1 && work < FA_BACKOFF_WORK && __atomic_load_n(&fa_backoff, __ATOMIC_RELAXED) > 0) {
+        __atomic_fetch_sub(&fa_backoff, 1, __ATOMIC_RELAXED);
+        threads = 1;
+    }
     if ((int64_t)threads > n_items) threads = (int)n_items;
 
     int failed = 0;
@@ -360,10 +376,18 @@ int fa_attention(const fa_args *a) {
         failed = !buf;
         free(buf);
     } else {
+        int late = 0;
 #ifdef _OPENMP
+        const double asked = omp_get_wtime();
 #pragma omp parallel num_threads(threads)
 #endif
         {
+#ifdef _OPENMP
+            if (omp_get_thread_num() != 0 && omp_get_wtime() - asked > FA_LATE_START) {
+#pragma omp atomic write
+                late = 1;
+            }
+#endif
             void *buf = scratch_alloc(scratch);
             if (!buf) {
 #ifdef _OPENMP
@@ -388,6 +412,7 @@ int fa_attention(const fa_args *a) {
                     if (!failed) merge_parts(a, &w, plan.group, base, parts);
             }
         }
+        if (late && work < FA_BACKOFF_WORK) __atomic_store_n(&fa_backoff, FA_BACKOFF_CALLS, __ATOMIC_RELAXED);
     }
     free(parts);
     /* A thread without scratch skipped its items: the output is incomplete. */
