@@ -45,10 +45,11 @@ def _kernel_ready(a):
     that it can: last axis contiguous, aligned, native byte order."""
     if not a.dtype.isnative:
         a = a.astype(a.dtype.newbyteorder("="))
-    if a.shape[-1] > 1 and a.strides[-1] != a.itemsize or not a.flags.aligned:
-        a = np.ascontiguousarray(a)
-    if any(s % a.itemsize for s in a.strides):
-        a = np.ascontiguousarray(a)
+    if (a.shape[-1] > 1 and a.strides[-1] != a.itemsize or not a.flags.aligned
+            or any(s % a.itemsize for s in a.strides)):
+        # np.array, not np.ascontiguousarray: that returns a contiguous but
+        # misaligned array as it is, and C would read it misaligned.
+        a = np.array(a, order="C")
     return a
 
 
@@ -100,7 +101,7 @@ def _check_mask(mask, dtype, scores_shape):
             f"{scores_shape} (..., L, S)")
     # Any strides will do (C takes all four), but aligned, native and whole elements.
     if not m.dtype.isnative or not m.flags.aligned or any(s % m.itemsize for s in m.strides):
-        m = np.ascontiguousarray(m).astype(m.dtype.newbyteorder("="), copy=False)
+        m = np.array(m, dtype=m.dtype.newbyteorder("="), order="C")  # a fresh, aligned copy
     return m
 
 
@@ -171,7 +172,7 @@ def _threads(num_threads):
         raise TypeError(f"num_threads must be an int or None; got {num_threads!r}") from None
     if n < 1:
         raise ValueError(f"num_threads must be >= 1 (or None for the OpenMP default); got {n}")
-    return n
+    return min(n, 2**31 - 1)  # C takes an int; it caps the count to what the machine can use anyway
 
 
 def attention(q, k, v, *, mask=None, causal=False, window=None, kv_lengths=None,

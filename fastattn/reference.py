@@ -175,8 +175,9 @@ def visibility(L, S, *, causal=False, window=None, kv_lengths=None, batch_shape=
             raise ValueError(f"kv_lengths must hold integers, got dtype {kv.dtype}")
         if kv.size and (kv.min() < 0 or kv.max() > S):
             raise ValueError(f"kv_lengths must lie in [0, S={S}], got {kv_lengths!r}")
-        # one length per batch entry, lined up with (*batch, H, L, S)
-        S_b = np.broadcast_to(kv, batch_shape).reshape(tuple(batch_shape) + (1, 1, 1))
+        # one length per batch entry, lined up with (*batch, H, L, S); int64,
+        # since unsigned lengths would wrap around in d(i) = i + S_b - L
+        S_b = np.broadcast_to(kv.astype(np.int64), batch_shape).reshape(tuple(batch_shape) + (1, 1, 1))
     return _visible_from_indices(L, S, S_b, causal_on, top_left, window, kv_lengths is not None)
 
 

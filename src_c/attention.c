@@ -227,6 +227,13 @@ static fa_work plan_work(const fa_args *a, int64_t bq, int64_t few, int64_t grou
     return w;
 }
 
+/* At most this many threads per processor (and at least FA_MIN_THREAD_CAP in
+ * all): more only adds overhead, and a count the system cannot create makes
+ * libgomp exit the whole process ("Thread creation failed"). Results do not
+ * depend on the count, so capping it changes no bit. */
+#define FA_THREADS_PER_PROC 4
+#define FA_MIN_THREAD_CAP 64
+
 /* Item idx in the order threads take them. With causal or window masks a
  * later query block sees more keys (bottom-right: the last one sees them
  * all), so the costliest blocks go first and with dynamic scheduling the
@@ -361,6 +368,11 @@ int fa_attention(const fa_args *a) {
         threads = 1;
     }
     if ((int64_t)threads > n_items) threads = (int)n_items;
+#ifdef _OPENMP
+    int cap = FA_THREADS_PER_PROC * omp_get_num_procs();
+    if (cap < FA_MIN_THREAD_CAP) cap = FA_MIN_THREAD_CAP;
+    if (threads > cap) threads = cap;
+#endif
 
     int failed = 0;
     if (threads <= 1) {

@@ -76,21 +76,22 @@ static inline __attribute__((always_inline)) void FN(dot_scores_n)(
 }
 
 /* o[r] = o[r]·alpha[r] + Σ_j p[r][j] · V_j, one vector of the head dim at a
- * time so the R accumulators stay in registers; first: start from 0. */
+ * time so the R accumulators stay in registers; first: o[r] = Σ. The sum
+ * starts from 0 and meets o once (a blocked sum: see TILE in kernel_item.h). */
 static inline __attribute__((always_inline)) void FN(dot_values_n)(
     const int R, VT *os, int64_t nEv, const T *st, const T *v, int64_t v_rs, int64_t Ev, int64_t nb,
     const T *alpha, int first) {
     const int64_t full = Ev / W, tail = Ev % W;
     for (int64_t u = 0; u < nEv; u++) {
         VT acc[FA_FEW];
-        for (int r = 0; r < R; r++) acc[r] = first ? (VT){0} : os[r * nEv + u] * alpha[r];
+        for (int r = 0; r < R; r++) acc[r] = (VT){0};
         for (int64_t j = 0; j < nb; j++) {
             const T *vj = v + j * v_rs + u * W;
             if (u * W % (64 / (int64_t)sizeof(T)) == 0) __builtin_prefetch(vj + FA_BK * v_rs);
             const VT vv = u < full ? FN(v_loadu)(vj) : FN(v_load_part)(vj, (int)tail);
             for (int r = 0; r < R; r++) acc[r] += st[r * FA_BK + j] * vv;
         }
-        for (int r = 0; r < R; r++) os[r * nEv + u] = acc[r];
+        for (int r = 0; r < R; r++) os[r * nEv + u] = first ? acc[r] : os[r * nEv + u] * alpha[r] + acc[r];
     }
 }
 
