@@ -1,0 +1,233 @@
+"""`python -m fastattn`: what this build is, the lecture's example, a check, a timing.
+
+With no arguments it runs everything below; `demo`, `info` and `bench` run a
+part. The numbers come from fastattn.reference (the definition) and the
+kernel; the timing loops and the full benchmark live in fastattn._bench.
+"""
+import argparse
+import importlib.util
+import math
+import sys
+import time
+
+import numpy as np
+
+import fastattn
+from fastattn import _bench, _peers, reference
+
+LECTURE_Q = [[1, 0, 1, 0], [0, 1, 0, 1]]
+LECTURE_K = [[1, 0, 1, 0], [1, 1, 1, 1]]
+LECTURE_V = [[10, 0], [0, 10]]
+CHECK_SHAPE = _bench.Shape("check", 2, 4, 2, 100, 130, 64, causal=True,
+                           about="L != S, GQA, bottom-right causal: the cases that differ")
+TIMING_SHAPE = _bench.SHAPES_BY_NAME["enc512"]
+
+
+# ---------------------------------------------------------------------------
+# The parts
+# ---------------------------------------------------------------------------
+
+def show_info():
+    i = fastattn.info()
+    print(f"fastattn {i['version']}")
+    print(f"  ISA in use     {i['isa']} (this CPU runs: {', '.join(i['isas'])})")
+    print(f"  OpenMP         {'yes' if i['openmp'] else 'no: this build runs on one thread'}")
+    print(f"  max threads    {i['max_threads']} (num_threads=None; set OMP_NUM_THREADS to change)")
+    print(f"  machine        {_bench.cpu_model()}, {i['machine']}")
+    print(f"  Python {i['python']}, NumPy {i['numpy']}")
+
+
+def _matrix(label, a, width=7):
+    """`label` then the rows of ``a`` one under the other, 3 decimals."""
+    rows = [" ".join(f"{x:{width}.3f}" for x in row) for row in np.asarray(a)]
+    pad = " " * len(label)
+    return "\n".join((label if n == 0 else pad) + f"[{r} ]" for n, r in enumerate(rows))
+
+
+def walk_example():
+    """The lecture's worked example, one step at a time, then the kernel's answer."""
+    q, k, v = (np.array(x, dtype=np.float64) for x in (LECTURE_Q, LECTURE_K, LECTURE_V))
+    d_k = q.shape[-1]
+    steps = reference.attention_steps(q, k, v)
+    print(f"The lecture's worked example (one head, d_k = {d_k}, no mask):")
+    for name, x in (("Q", q), ("K", k), ("V", v)):
+        print(_matrix(f"  {name} = ", x))
+    print("  1. scores = Q·Kᵀ")
+    print(_matrix("       ", steps.scores))
+    print(f"  2. scaled = scores / √d_k = scores / {math.sqrt(d_k):g}")
+    print(_matrix("       ", steps.scaled))
+    print("  3. mask: none, every key visible (a hidden key would become -inf)")
+    print(_matrix("       ", steps.masked))
+    print("  4. weights = softmax of each row: exp(x) / Σ exp(x); each row sums to 1")
+    print(_matrix("       ", steps.weights))
+    print("  5. output = weights·V: each row a weighted average of V's rows")
+    print(_matrix("       ", steps.output))
+    out = fastattn.attention(q, k, v)
+    out32 = fastattn.attention(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32))
+    print("  fastattn.attention(Q, K, V), float64 and float32:")
+    print(_matrix("       ", out))
+    err = max(np.abs(out - steps.output).max(), np.abs(out32 - steps.output).max())
+    print(f"     max difference from step 5: {err:.1e}")
+
+
+def check_kernel():
+    """The kernel against the float64 reference on CHECK_SHAPE; True if within tolerance."""
+    s = CHECK_SHAPE
+    q, k, v = s.inputs(np.float32)
+    ref = _bench.reference_for(s, q, k, v)
+    err = _bench.max_error(fastattn.attention(q, k, v, causal=s.causal), ref)
+    ok = err <= ref.tolerance
+    print(f"Check: fastattn against fastattn.reference (float64) on {s.label}, float32")
+    print(f"  ({s.about})")
+    print(f"  max |fastattn - reference| = {err:.2e}, tolerance {ref.tolerance:.2e} "
+          "(2 × textbook float32 NumPy's error, at least 16 ulp of max|V|)")
+    print("  OK" if ok else "  FAILED: the kernel is further from the reference than allowed")
+    return ok
+
+
+def time_against_numpy(repeat=10, min_time=0.3):
+    """fastattn against textbook NumPy on TIMING_SHAPE, each in its own loop."""
+    s = TIMING_SHAPE
+    q, k, v = s.inputs(np.float32)
+    threads = fastattn.info()["max_threads"]
+    numpy_call = _peers.LIBRARIES["numpy"].prepare(q, k, v, s.causal, threads)
+    watch = _bench.OthersWatch().start()
+    t_np = _bench.time_call(numpy_call, repeat, min_time)
+    time.sleep(_bench.PAUSE_S)  # OpenBLAS workers spin after a matmul; let them sleep first
+    t_fa = _bench.time_call(lambda: fastattn.attention(q, k, v), repeat, min_time)
+    busy = watch.share()
+    print(f"Timing on {s.label} float32 ({_bench.threads_text(threads)}; "
+          "NumPy's loop first, then a pause, then fastattn's):")
+    print(f"  NumPy textbook softmax(q·kᵀ·scale)·v  {_bench.format_time(t_np.median_s):>10}"
+          f"  (median of {t_np.samples})")
+    print(f"  fastattn.attention                    {_bench.format_time(t_fa.median_s):>10}"
+          f"  (median of {t_fa.samples})")
+    ratio = t_np.median_s / t_fa.median_s
+    verdict = "faster" if ratio >= 1 else "slower"
+    print(f"  ratio NumPy / fastattn: {ratio:.2f}× (fastattn is {verdict})")
+    for note in (_bench.slow_blas_note(), _bench.busy_note(busy)):
+        if note:
+            print("  " + note)
+
+
+# ---------------------------------------------------------------------------
+# Subcommands
+# ---------------------------------------------------------------------------
+
+def cmd_all(args):
+    ok = cmd_demo(args) == 0
+    print()
+    time_against_numpy()
+    return 0 if ok else 1
+
+
+def cmd_demo(args):
+    show_info()
+    print()
+    walk_example()
+    print()
+    return 0 if check_kernel() else 1
+
+
+def cmd_info(args):
+    show_info()
+    return 0
+
+
+def _names(text):
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _thread_counts(text):
+    try:
+        counts = [int(t) for t in _names(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--threads takes counts like 1,2; got {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"--threads counts must be >= 1; got {text!r}")
+    return counts
+
+
+def _shapes(text):
+    unknown = [n for n in _names(text) if n not in _bench.SHAPES_BY_NAME]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown shape(s) {', '.join(unknown)}; known: {', '.join(_bench.SHAPES_BY_NAME)}")
+    return [_bench.SHAPES_BY_NAME[n] for n in _names(text)]
+
+
+def cmd_bench(args):
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        # said before the run, not after minutes of timing
+        print(f"--plot needs matplotlib (pip install matplotlib); {args.plot} will not be written",
+              file=sys.stderr)
+        args.plot = None
+    requested = _names(args.peers) if args.peers else _peers.default_peers()
+    status = _bench.library_status(requested)
+    libraries = [name for name, s in status.items() if s == "ok"]
+    threads = args.threads or [fastattn.info()["max_threads"]]
+    head = _bench.header(requested, status, threads, args.dtype)
+    print("\n".join(_bench.format_header(head)), flush=True)
+    peaks, results = _bench.run(args.shapes, libraries, threads, np.dtype(args.dtype),
+                                args.repeat, args.min_time)
+    print()
+    print(_bench.markdown(peaks, results, args.shapes, libraries))
+    busy = _bench.cpu_busy()
+    if busy is not None:
+        print(f"CPUs busy with other processes just after the run: {100 * busy:.0f} %")
+        if _bench.busy_note(busy):
+            print(_bench.busy_note(busy))
+    if args.json:
+        _bench.to_json(args.json, head, peaks, results)
+        print(f"wrote {args.json}")
+    if args.plot:
+        _bench.plot(args.plot, peaks, results, args.shapes, libraries)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def parser():
+    p = argparse.ArgumentParser(
+        prog="python -m fastattn",
+        description="fastattn: fused scaled dot-product attention on the CPU. Without a "
+                    "command: build info, the lecture's worked example step by step, a check "
+                    "against the reference (exit status 1 if it fails) and a timing against "
+                    "textbook NumPy.")
+    sub = p.add_subparsers(dest="command", metavar="{demo,info,bench}")
+    sub.add_parser("demo", help="info, the worked example and the check (no timing)")
+    sub.add_parser("info", help="version, ISA, OpenMP and threads of this build")
+    b = sub.add_parser(
+        "bench", help="time fastattn against NumPy and other libraries (see bench --help)",
+        description="Time fastattn against textbook NumPy and the installed peer libraries, "
+                    "each in its own loop, after checking each against fastattn.reference. "
+                    "Prints a header (versions, CPU, thread pools) and Markdown tables of "
+                    "median times, GFLOP/s and the share of NumPy's matmul peak. For NumPy's "
+                    "real speed unset OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE if they are set.")
+    b.add_argument("--peers", metavar="LIST",
+                   help=f"comma-separated, from {','.join(_peers.PEERS)} "
+                        "(default: numpy plus those installed)")
+    b.add_argument("--threads", type=_thread_counts, metavar="LIST",
+                   help="thread counts, e.g. 1,2 (default: fastattn's max threads)")
+    b.add_argument("--shapes", type=_shapes, default=list(_bench.SHAPES), metavar="LIST",
+                   help="shape names, comma-separated (default all): " + ", ".join(
+                       f"{s.name} ({s.label})" for s in _bench.SHAPES))
+    b.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    b.add_argument("--repeat", type=int, default=10, metavar="N",
+                   help="at least N timing samples per library and shape (default 10)")
+    b.add_argument("--min-time", type=float, default=0.5, metavar="SECONDS",
+                   help="and keep sampling for at least this long (default 0.5)")
+    b.add_argument("--json", metavar="FILE", help="also write every result to FILE as JSON")
+    b.add_argument("--plot", metavar="FILE.png", help="also draw GFLOP/s bars (needs matplotlib)")
+    return p
+
+
+COMMANDS = {None: cmd_all, "demo": cmd_demo, "info": cmd_info, "bench": cmd_bench}
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    return COMMANDS[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

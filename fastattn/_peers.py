@@ -1,0 +1,178 @@
+"""The libraries the benchmark times fastattn against, one small adapter each.
+
+An adapter imports its library only when asked, says whether it is installed,
+and builds a ready-to-time callable for one problem: the model, session or
+tensors are made once, outside the timing loop, and the thread count is set
+there. It does no timing and no checking; fastattn._bench does both.
+"""
+import importlib
+import importlib.metadata
+import importlib.util
+import math
+
+import numpy as np
+
+
+class Peer:
+    """One attention implementation: ``prepare`` returns a zero-argument callable
+    whose result ``np.asarray`` turns into the (B, Hq, L, Ev) output."""
+
+    name = ""      # what --peers takes
+    title = ""     # what the table shows
+    module = ""    # what must be importable
+    dists = ()     # distributions whose versions the header prints
+
+    def installed(self):
+        return importlib.util.find_spec(self.module) is not None
+
+    def versions(self):
+        found = []
+        for dist in self.dists:
+            try:
+                found.append(f"{dist} {importlib.metadata.version(dist)}")
+            except importlib.metadata.PackageNotFoundError:
+                pass
+        return ", ".join(found)
+
+    def load(self):
+        """Import the library now (so the header's thread-pool list sees it)."""
+        return importlib.import_module(self.module)
+
+    def prepare(self, q, k, v, causal, threads):
+        raise NotImplementedError
+
+
+class FastAttn(Peer):
+    name, title, module, dists = "fastattn", "fastattn", "fastattn", ("fastattn",)
+
+    def prepare(self, q, k, v, causal, threads):
+        from fastattn import attention
+        return lambda: attention(q, k, v, causal=causal, num_threads=threads)
+
+
+class NumPyTextbook(Peer):
+    """``softmax(q kᵀ · scale) v`` as a NumPy user writes it, in the inputs' dtype.
+
+    GQA repeats K/V heads inside the call: a NumPy model gets fresh K and V
+    every call, so the copy is part of its cost. The causal mask depends on the
+    shape only, so it is built once. NumPy's BLAS threads are the caller's to
+    set (threadpoolctl); ``threads`` is not used here.
+    """
+
+    name, title, module, dists = "numpy", "NumPy", "numpy", ("numpy",)
+
+    def prepare(self, q, k, v, causal, threads):
+        L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
+        group = q.shape[-3] // k.shape[-3]
+        scale = q.dtype.type(1 / math.sqrt(E))
+        # bottom-right alignment: row i sees keys j <= i + S - L (= top-left when L == S)
+        mask = np.triu(np.full((L, S), -np.inf, q.dtype), k=S - L + 1) if causal else None
+
+        def textbook():
+            kk = np.repeat(k, group, axis=-3) if group > 1 else k
+            vv = np.repeat(v, group, axis=-3) if group > 1 else v
+            s = q @ kk.swapaxes(-1, -2)
+            s *= scale
+            if mask is not None:
+                s += mask
+            s -= s.max(axis=-1, keepdims=True)  # stable: every exponent <= 0
+            np.exp(s, out=s)
+            s /= s.sum(axis=-1, keepdims=True)
+            return s @ vv
+
+        return textbook
+
+
+class Torch(Peer):
+    """``torch.nn.functional.scaled_dot_product_attention`` on tensors that share
+    the NumPy inputs' memory. ``is_causal`` is top-left; the bench shapes have
+    L == S, where both alignments agree."""
+
+    name, title, module, dists = "torch", "PyTorch", "torch", ("torch",)
+
+    def prepare(self, q, k, v, causal, threads):
+        torch = self.load()
+        torch.set_num_threads(threads)  # global in torch; set right before its own loop
+        tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+        gqa = q.shape[-3] != k.shape[-3]
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+
+        def call():
+            with torch.inference_mode():
+                return sdpa(tq, tk, tv, is_causal=bool(causal), enable_gqa=gqa)
+
+        return call
+
+
+class OnnxRuntime(Peer):
+    """A one-node ONNX model with the standard ``Attention`` operator (opset 23):
+    (B, H, L, E) inputs, GQA from K/V having fewer heads, ``is_causal`` top-left."""
+
+    name, title, module, dists = "onnxruntime", "ONNX Runtime", "onnxruntime", ("onnxruntime", "onnx")
+
+    def installed(self):
+        return super().installed() and importlib.util.find_spec("onnx") is not None
+
+    def prepare(self, q, k, v, causal, threads):
+        ort = self.load()
+        from onnx import helper
+        elem = helper.np_dtype_to_tensor_dtype(q.dtype)
+        inputs = [helper.make_tensor_value_info(n, elem, list(x.shape))
+                  for n, x in (("Q", q), ("K", k), ("V", v))]
+        output = helper.make_tensor_value_info("Y", elem, None)
+        node = helper.make_node("Attention", ["Q", "K", "V"], ["Y"], is_causal=int(bool(causal)))
+        opset = [helper.make_opsetid("", 23)]
+        graph = helper.make_graph([node], "attention", inputs, [output])
+        model = helper.make_model(graph, opset_imports=opset,
+                                  ir_version=helper.find_min_ir_version_for(opset))
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads  # counts the calling thread
+        options.inter_op_num_threads = 1
+        session = ort.InferenceSession(model.SerializeToString(), options,
+                                       providers=["CPUExecutionProvider"])
+        feeds = {"Q": q, "K": k, "V": v}
+        return lambda: session.run(None, feeds)[0]
+
+
+class OpenVINO(Peer):
+    """``opset13.scaled_dot_product_attention`` compiled for the CPU in float32
+    (it runs in bfloat16 on CPUs that have it unless told f32). SDPA needs equal
+    head counts, so GQA broadcasts K/V heads inside the graph, as exported models
+    do; the CPU plugin fuses that pattern."""
+
+    name, title, module, dists = "openvino", "OpenVINO", "openvino", ("openvino",)
+
+    def prepare(self, q, k, v, causal, threads):
+        ov = self.load()
+        ops = importlib.import_module("openvino.opset13")
+        pq, pk, pv = (ops.parameter(list(x.shape), x.dtype) for x in (q, k, v))
+        key, value = pk, pv
+        if q.shape[-3] != k.shape[-3]:
+            key, value = (_ov_repeat_heads(ops, p, q.shape, x.shape) for p, x in ((pk, k), (pv, v)))
+        sdpa = ops.scaled_dot_product_attention(pq, key, value, causal=bool(causal))
+        model = ov.Model([sdpa], [pq, pk, pv])
+        config = {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": threads,
+                  "NUM_STREAMS": 1}
+        request = ov.Core().compile_model(model, "CPU", config).create_infer_request()
+        feeds = {0: q, 1: k, 2: v}
+        # shared in and out: no copies inside the timed call
+        return lambda: request.infer(feeds, share_inputs=True, share_outputs=True)[0]
+
+
+def _ov_repeat_heads(ops, node, q_shape, kv_shape):
+    """(B, Hkv, S, E) → (B, Hq, S, E), head h reading h // g: unsqueeze, broadcast, reshape."""
+    B, Hkv, S, E = kv_shape
+    group = q_shape[-3] // Hkv
+    wide = ops.unsqueeze(node, ops.constant(np.array([2], np.int64)))
+    wide = ops.broadcast(wide, ops.constant(np.array([B, Hkv, group, S, E], np.int64)))
+    return ops.reshape(wide, ops.constant(np.array([B, Hkv * group, S, E], np.int64)), False)
+
+
+# fastattn first: it is what every ratio is taken against.
+LIBRARIES = {p.name: p for p in (FastAttn(), NumPyTextbook(), Torch(), OnnxRuntime(), OpenVINO())}
+PEERS = [name for name in LIBRARIES if name != "fastattn"]
+
+
+def default_peers():
+    """NumPy plus every other peer that is installed."""
+    return [name for name in PEERS if name == "numpy" or LIBRARIES[name].installed()]

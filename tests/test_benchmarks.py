@@ -1,0 +1,110 @@
+"""The benchmark harness works (no timing is asserted: benchmarks are not tests).
+
+The pytest-benchmark suite runs once with --benchmark-disable so it cannot rot;
+each installed peer adapter matches the reference; a peer that fails its check
+or raises is reported and not timed; the shape table's FLOP counts are right.
+"""
+import io
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from fastattn import _bench, _peers
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_benchmark_suite_runs(tmp_path):
+    pytest.importorskip("pytest_benchmark")
+    p = subprocess.run(
+        [sys.executable, "-m", "pytest", str(REPO / "benchmarks"), "--benchmark-disable",
+         "-q", "-k", "tiny", "-p", "no:cacheprovider"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert " passed" in p.stdout
+
+
+@pytest.mark.parametrize("name", list(_peers.LIBRARIES))
+def test_peer_matches_reference(name):
+    lib = _peers.LIBRARIES[name]
+    if not lib.installed():
+        pytest.skip(f"{name} not installed")
+    # GQA, causal, L != S would break a peer's alignment; the bench has L == S only
+    shape = _bench.Shape("small", 2, 4, 2, 33, 33, 16, causal=True)
+    q, k, v = shape.inputs()
+    ref = _bench.reference_for(shape, q, k, v)
+    out = np.asarray(lib.prepare(q, k, v, shape.causal, 1)())
+    assert out.shape == (2, 4, 33, 16)
+    assert _bench.max_error(out, ref) <= ref.tolerance
+
+
+class Broken(_peers.Peer):
+    name, title, module = "broken", "Broken", "numpy"
+
+    def prepare(self, q, k, v, causal, threads):
+        return lambda: np.zeros((q.shape[0], q.shape[1], q.shape[2], v.shape[-1]), q.dtype)
+
+
+class Raises(_peers.Peer):
+    name, title, module = "raises", "Raises", "numpy"
+
+    def prepare(self, q, k, v, causal, threads):
+        raise RuntimeError("operator not supported\nsecond line")
+
+
+def test_failing_peers_are_reported_not_timed(monkeypatch):
+    monkeypatch.setitem(_peers.LIBRARIES, "broken", Broken())
+    monkeypatch.setitem(_peers.LIBRARIES, "raises", Raises())
+    monkeypatch.setattr(_bench, "PEAK_N", 128)
+    monkeypatch.setattr(_bench, "PAUSE_S", 0)
+    shapes = [_bench.SHAPES_BY_NAME["tiny"]]
+    libs = ["fastattn", "broken", "raises"]
+    progress = _bench.Progress(1, stream=io.StringIO())
+    peaks, results = _bench.run(shapes, libs, [1], repeat=2, min_time=0, progress=progress)
+    by_lib = {r.library: r for r in results}
+    assert by_lib["fastattn"].status == "ok" and by_lib["fastattn"].median_s > 0
+    assert by_lib["broken"].status == "failed check" and by_lib["broken"].median_s is None
+    assert by_lib["raises"].status == "error"
+    assert by_lib["raises"].detail == "RuntimeError: operator not supported"
+    table = _bench.markdown(peaks, results, shapes, libs)
+    assert "✗ check" in table and "error" in table and "Not timed:" in table
+
+
+def test_library_status(monkeypatch):
+    monkeypatch.setattr(_peers.Torch, "installed", lambda self: False)
+    status = _bench.library_status(["numpy", "torch", "nosuchlib"])
+    assert status["fastattn"] == status["numpy"] == "ok"
+    assert status["torch"].startswith("not installed")
+    assert status["nosuchlib"].startswith("unknown library")
+
+
+def test_shape_table():
+    names = [s.name for s in _bench.SHAPES]
+    assert len(set(names)) == len(names)
+    enc = _bench.SHAPES_BY_NAME["enc512"]
+    assert enc.flops == 4 * 8 * 512 * 512 * 64 and enc.label == "1×8×512×512×64"
+    gqa = _bench.SHAPES_BY_NAME["gqa_causal"]
+    assert gqa.flops == 4 * 32 * 512 * 512 * 128 // 2
+    assert gqa.label == "causal GQA 1×32/8×512×512×128"
+    q, k, v = gqa.inputs()
+    assert q.shape == (1, 32, 512, 128) and k.shape == v.shape == (1, 8, 512, 128)
+    assert q.dtype == np.float32
+    long = _bench.SHAPES_BY_NAME["long"]
+    assert 1 <= _bench.check_rows(long) < long.L  # the long shape is checked on a slice
+
+
+def test_time_call_counts_samples():
+    t = _bench.time_call(lambda: None, repeat=5, min_time=0)
+    assert t.samples >= 5 and t.number > 1 and 0 < t.min_s <= t.median_s
+
+
+def test_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    shapes = [_bench.SHAPES_BY_NAME["tiny"]]
+    results = [_bench.Result("tiny", "1×8×10×10×64", 1, "fastattn", "ok", median_s=1e-5,
+                             gflops=1.0, peak_share=0.01)]
+    _bench.plot(tmp_path / "bench.png", {1: 100.0}, results, shapes, ["fastattn", "numpy"])
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"

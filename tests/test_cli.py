@@ -1,0 +1,87 @@
+"""`python -m fastattn` as a user runs it: a subprocess in a scratch directory
+(never the repository root, whose source folder would shadow the build).
+Checks what is printed and the exit status, not how fast anything is.
+"""
+import json
+import re
+import subprocess
+import sys
+
+import numpy as np
+
+import fastattn
+from fastattn import __main__ as cli
+
+
+def run_cli(cwd, *args):
+    return subprocess.run([sys.executable, "-m", "fastattn", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=180)
+
+
+def test_no_arguments_walks_the_example_checks_and_times(tmp_path):
+    p = run_cli(tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    out = p.stdout
+    assert fastattn.info()["isa"] in out and fastattn.__version__ in out
+    # the lecture's numbers: scores, weights, output
+    for number in ("2.000", "0.500", "0.269", "0.731", "5.000", "2.689", "7.311"):
+        assert number in out, number
+    assert "max |fastattn - reference|" in out and "OK" in out
+    assert re.search(r"NumPy textbook.*\d (µs|ms|s) ", out)
+    assert re.search(r"fastattn\.attention\s+\d.* (µs|ms|s) ", out)
+    assert re.search(r"ratio NumPy / fastattn: \d+\.\d\d×", out)
+    assert re.search(r"\(\d+ threads?;", out)
+
+
+def test_info_and_demo(tmp_path):
+    p = run_cli(tmp_path, "info")
+    assert p.returncode == 0 and "OpenMP" in p.stdout and "max threads" in p.stdout
+    p = run_cli(tmp_path, "demo")
+    assert p.returncode == 0 and "7.311" in p.stdout and "OK" in p.stdout
+    assert "ratio" not in p.stdout  # demo does not time
+
+
+def test_help(tmp_path):
+    p = run_cli(tmp_path, "--help")
+    assert p.returncode == 0 and all(c in p.stdout for c in ("demo", "info", "bench"))
+    p = run_cli(tmp_path, "bench", "--help")
+    assert p.returncode == 0
+    for option in ("--peers", "--threads", "--shapes", "--dtype", "--repeat", "--min-time",
+                   "--json", "--plot", "gqa_causal"):
+        assert option in p.stdout, option
+
+
+def test_bench_json_and_unknown_peer(tmp_path):
+    p = run_cli(tmp_path, "bench", "--shapes", "tiny", "--peers", "numpy,nosuchlib",
+                "--repeat", "3", "--min-time", "0.05", "--json", "out.json")
+    assert p.returncode == 0, p.stdout + p.stderr
+    doc = json.loads((tmp_path / "out.json").read_text())
+    results = {r["library"]: r for r in doc["results"]}
+    assert set(results) == {"fastattn", "numpy"}
+    for r in results.values():
+        assert r["shape"] == "tiny" and r["status"] == "ok" and r["threads"] >= 1
+        assert r["median_s"] > 0 and r["gflops"] > 0 and r["max_error"] <= r["tolerance"]
+    assert results["numpy"]["ratio_to_fastattn"] > 0
+    assert "unknown" in doc["header"]["libraries"]["nosuchlib"]
+    assert "nosuchlib: unknown" in p.stdout
+    assert "| tiny: 1×8×10×10×64 |" in p.stdout  # the Markdown table
+    assert "matmul peak" in p.stdout and "[1/" in p.stderr  # progress goes to stderr
+
+
+def test_bench_rejects_bad_options(tmp_path):
+    p = run_cli(tmp_path, "bench", "--shapes", "tiny,huge")
+    assert p.returncode == 2 and "unknown shape(s) huge" in p.stderr
+    p = run_cli(tmp_path, "bench", "--threads", "0")
+    assert p.returncode == 2 and "--threads" in p.stderr
+
+
+def test_failed_check_exits_1(monkeypatch, capsys):
+    real = fastattn.attention
+
+    def off_by_a_bit(q, k, v, **kw):
+        out = real(q, k, v, **kw)
+        return out + np.asarray(1e-3, out.dtype)
+
+    monkeypatch.setattr(fastattn, "attention", off_by_a_bit)
+    assert cli.main(["demo"]) == 1
+    assert "FAILED" in capsys.readouterr().out
