@@ -28,6 +28,7 @@ SAMPLE_S = 2e-3        # a sample repeats a call until it lasts this long (µs c
 WARMUP_S = 0.1
 CHECK_ELEMENTS = 2**21  # the reference materialises (B, Hq, rows, S) several times
 PEAK_N = 2048
+BANDWIDTH_BYTES = 512 * 2**20  # the array the read-bandwidth loop sums: far above any cache
 BUSY = 0.10             # other processes' CPU share above which the header warns
 NOISY = 0.25            # a time is marked † when its interquartile range exceeds this share
 SLOW_BLAS_ENV = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
@@ -52,6 +53,16 @@ class Shape:
     E: int
     causal: bool = False
     about: str = ""
+    kind: str = "full"  # "full": encoder or prefill (L == S); "decode": a few new rows, a long cache
+
+    @property
+    def decode(self):
+        return self.kind == "decode"
+
+    def kv_bytes(self, dtype=np.float32):
+        """Bytes of K and V one call must read: 2·B·Hkv·S·E·itemsize. Decoding
+        does ~1 FLOP per byte read, so it is bound by memory, not the FPU."""
+        return 2 * self.B * self.Hkv * self.S * self.E * np.dtype(dtype).itemsize
 
     @property
     def dims(self):
@@ -60,7 +71,8 @@ class Shape:
 
     @property
     def label(self):
-        kind = ("causal " if self.causal else "") + ("GQA " if self.Hkv != self.Hq else "")
+        heads = "" if self.Hkv == self.Hq else "MQA " if self.Hkv == 1 else "GQA "
+        kind = ("decode " if self.decode else "") + ("causal " if self.causal else "") + heads
         return kind + self.dims
 
     @property
@@ -89,8 +101,16 @@ SHAPES = [
     Shape("d128", 1, 8, 8, 1024, 1024, 128, about="head dim 128"),
     Shape("causal2048", 1, 8, 8, 2048, 2048, 64, causal=True, about="causal prefill"),
     Shape("gqa_causal", 1, 32, 8, 512, 512, 128, causal=True, about="causal GQA prefill"),
+    # decoding: one new query row (four for dec4_gqa) against the whole KV cache
+    Shape("dec4k", 1, 32, 32, 1, 4096, 128, kind="decode", about="MHA decode, 4k cache"),
+    Shape("dec8k_gqa", 1, 32, 8, 1, 8192, 128, kind="decode", about="GQA decode, 8k cache"),
+    Shape("dec32k_mqa", 1, 8, 1, 1, 32768, 128, kind="decode", about="MQA decode, 32k cache"),
+    Shape("dec4_gqa", 1, 32, 8, 4, 4096, 128, kind="decode",
+          about="GQA, 4 new rows (speculative decoding), each seeing all 4096 keys"),
 ]
 SHAPES_BY_NAME = {s.name: s for s in SHAPES}
+# what --shapes takes besides a shape's name
+SHAPE_GROUPS = {kind: [s for s in SHAPES if s.kind == kind] for kind in ("full", "decode")}
 
 
 # ---------------------------------------------------------------------------
@@ -156,6 +176,22 @@ def matmul_peak(threads, dtype=np.float32, repeat=10, min_time=0.5):
     return 2 * PEAK_N**3 / t.median_s / 1e9
 
 
+def read_bandwidth(threads, repeat=10, min_time=0.5):
+    """The practical read bandwidth in GB/s: ``threads`` Python threads each sum
+    an equal slice of a BANDWIDTH_BYTES float32 array (NumPy's sum runs on one
+    thread and releases the GIL, so the slices are read in parallel). Nothing
+    of fastattn is used; decode shapes are reported against this."""
+    from concurrent.futures import ThreadPoolExecutor
+    a = np.ones(BANDWIDTH_BYTES // 4, np.float32)  # written once: every page is mapped
+    chunks = np.array_split(a, threads)
+    if threads == 1:
+        t = time_call(a.sum, repeat, min_time)
+    else:
+        with ThreadPoolExecutor(threads) as pool:
+            t = time_call(lambda: list(pool.map(np.sum, chunks)), repeat, min_time)
+    return a.nbytes / t.median_s / 1e9
+
+
 # ---------------------------------------------------------------------------
 # Checking against the reference
 # ---------------------------------------------------------------------------
@@ -215,6 +251,8 @@ class Result:
     median_s: float = None
     gflops: float = None
     peak_share: float = None      # of the same run's matmul GFLOP/s
+    gbps: float = None            # decode shapes: bytes of K and V read per call / time
+    bandwidth_share: float = None  # decode shapes: of the same run's read bandwidth
     ratio_to_fastattn: float = None  # this library's time / fastattn's
     max_error: float = None
     tolerance: float = None
@@ -248,7 +286,7 @@ def _first_line(e):
     return f"{type(e).__name__}: {lines[0] if lines else ''}"[:200]
 
 
-def run_one(lib, shape, q, k, v, ref, threads, peak, repeat, min_time):
+def run_one(lib, shape, q, k, v, ref, threads, peak, repeat, min_time, bandwidth=None):
     """Build, check, then time one library on one shape (its own loop)."""
     res = Result(shape.name, shape.label, threads, lib.name, "error")
     try:
@@ -269,6 +307,9 @@ def run_one(lib, shape, q, k, v, ref, threads, peak, repeat, min_time):
     res.min_s, res.spread = t.min_s, t.spread
     res.gflops = shape.flops / t.median_s / 1e9
     res.peak_share = res.gflops / peak if peak else None
+    if shape.decode:
+        res.gbps = shape.kv_bytes(q.dtype) / t.median_s / 1e9
+        res.bandwidth_share = res.gbps / bandwidth if bandwidth else None
     return res
 
 
@@ -306,17 +347,28 @@ def run(shapes, libraries, threads_list, dtype=np.float32, repeat=10, min_time=0
         progress=None):
     """Time every library on every shape and thread count.
 
-    The peaks come first; then shape by shape, so a shape's inputs and
-    reference are made once and its thread counts run close in time.
-    Returns (peaks, results): {threads: matmul GFLOP/s} and a list of Result.
+    The peaks come first (and the read bandwidth when a decode shape is
+    asked for); then shape by shape, so a shape's inputs and reference are
+    made once and its thread counts run close in time. A library whose
+    ``kinds`` leaves a shape's kind out is not run on it.
+    Returns (peaks, results, bandwidths): {threads: matmul GFLOP/s}, a list of
+    Result, {threads: read GB/s} (empty without decode shapes).
     """
     libs = [LIBRARIES[name] for name in libraries]
-    progress = progress or Progress(len(threads_list) * (1 + len(shapes) * len(libs)))
-    peaks, results = {}, []
+    any_decode = any(s.decode for s in shapes)
+    pairs = sum(1 for s in shapes for lib in libs if _runs_on(lib, s))
+    progress = progress or Progress(len(threads_list) * (1 + any_decode + pairs))
+    peaks, bandwidths, results = {}, {}, []
     for threads in threads_list:
         progress.show(f"matmul peak, {threads_text(threads)}")
         peaks[threads] = matmul_peak(threads, dtype, repeat, min_time)
         progress.step(f"matmul peak, {threads_text(threads)}: {peaks[threads]:.0f} GFLOP/s")
+        if any_decode:
+            time.sleep(PAUSE_S)
+            progress.show(f"read bandwidth, {threads_text(threads)}")
+            bandwidths[threads] = read_bandwidth(threads, repeat, min_time)
+            progress.step(f"read bandwidth, {threads_text(threads)}: "
+                          f"{bandwidths[threads]:.1f} GB/s")
     for shape in shapes:
         q, k, v = shape.inputs(dtype)
         progress.show(f"{shape.name}: the reference")
@@ -324,10 +376,13 @@ def run(shapes, libraries, threads_list, dtype=np.float32, repeat=10, min_time=0
         for threads in threads_list:
             base = None
             for lib in libs:
+                if not _runs_on(lib, shape):
+                    continue
                 time.sleep(PAUSE_S)
                 where = f"{shape.name}, {threads_text(threads)}: {lib.title}"
                 progress.show(where)
-                res = run_one(lib, shape, q, k, v, ref, threads, peaks[threads], repeat, min_time)
+                res = run_one(lib, shape, q, k, v, ref, threads, peaks[threads], repeat, min_time,
+                              bandwidths.get(threads))
                 if lib.name == "fastattn" and res.status == "ok":
                     base = res.median_s
                 if base and res.median_s:
@@ -336,7 +391,12 @@ def run(shapes, libraries, threads_list, dtype=np.float32, repeat=10, min_time=0
                 took = format_time(res.median_s) if res.median_s else res.status
                 progress.step(f"{where} {took}")
     progress.close()
-    return peaks, results
+    return peaks, results, bandwidths
+
+
+def _runs_on(lib, shape):
+    kinds = getattr(lib, "kinds", None)
+    return kinds is None or shape.kind in kinds
 
 
 # ---------------------------------------------------------------------------

@@ -161,11 +161,12 @@ cdef bint _plain(object x, int ndim, int type_num):
     return cnp.PyArray_DIM(a, ndim - 1) <= 1 or cnp.PyArray_STRIDE(a, ndim - 1) == size
 
 
-def attention_fast(q, k, v, bint causal, kv_lengths=None):
+def attention_fast(q, k, v, bint causal, kv_lengths=None, double scale=0.0, int num_threads=0):
     """The common call — q, k, v plain arrays of one float dtype and one rank
-    (2, 3 or 4), equal batch axes, no mask, default scale, kv_lengths None or
+    (2, 3 or 4), equal batch axes, no mask, kv_lengths None or
     a 1-D int64 array with one entry per batch entry of 4-D inputs (a KV
-    cache's decoding step) — checked and run without the general path's
+    cache's decoding step); scale 0 means 1/sqrt(E), num_threads 0 the
+    OpenMP default — checked and run without the general path's
     broadcasting. Returns None for anything else, and for any argument C
     refuses: the caller then takes the general path, which words the error."""
     if type(q) is not cnp.ndarray:
@@ -208,8 +209,9 @@ def attention_fast(q, k, v, bint causal, kv_lengths=None):
     _strides_right(ka, a.k_stride)
     _strides_right(va, a.v_stride)
     _strides_right(out, a.out_stride)
-    a.scale = 1.0 / sqrt(<double>E)  # as _api._scale: the same bits on both paths
+    a.scale = scale if scale != 0 else 1.0 / sqrt(<double>E)  # as _api._scale: the same bits
     a.causal = causal
+    a.num_threads = num_threads
     cdef cnp.ndarray lens
     if kv_lengths is not None:
         if (type(kv_lengths) is not cnp.ndarray or nd != 4 or cnp.PyArray_NDIM(<cnp.ndarray>kv_lengths) != 1
