@@ -149,11 +149,15 @@ def _thread_counts(text):
 
 
 def _shapes(text):
-    unknown = [n for n in _names(text) if n not in _bench.SHAPES_BY_NAME]
+    """Shape names and group names (decode, full), in order, each shape once."""
+    known = {**_bench.SHAPE_GROUPS, **{n: [s] for n, s in _bench.SHAPES_BY_NAME.items()}}
+    unknown = [n for n in _names(text) if n not in known]
     if unknown:
         raise argparse.ArgumentTypeError(
-            f"unknown shape(s) {', '.join(unknown)}; known: {', '.join(_bench.SHAPES_BY_NAME)}")
-    return [_bench.SHAPES_BY_NAME[n] for n in _names(text)]
+            f"unknown shape(s) {', '.join(unknown)}; known: groups "
+            f"{', '.join(_bench.SHAPE_GROUPS)}; shapes {', '.join(_bench.SHAPES_BY_NAME)}")
+    picked = [s for n in _names(text) for s in known[n]]
+    return list(dict.fromkeys(picked))
 
 
 def cmd_bench(args):
@@ -168,17 +172,17 @@ def cmd_bench(args):
     threads = args.threads or [fastattn.info()["max_threads"]]
     head = _bench.header(requested, status, threads, args.dtype)
     print("\n".join(_bench.format_header(head)), flush=True)
-    peaks, results = _bench.run(args.shapes, libraries, threads, np.dtype(args.dtype),
-                                args.repeat, args.min_time)
+    peaks, results, bandwidths = _bench.run(args.shapes, libraries, threads,
+                                            np.dtype(args.dtype), args.repeat, args.min_time)
     print()
-    print(_bench.markdown(peaks, results, args.shapes, libraries))
+    print(_bench.markdown(peaks, results, args.shapes, libraries, bandwidths))
     busy = _bench.cpu_busy()
     if busy is not None:
         print(f"CPUs busy with other processes just after the run: {100 * busy:.0f} %")
         if _bench.busy_note(busy):
             print(_bench.busy_note(busy))
     if args.json:
-        _bench.to_json(args.json, head, peaks, results)
+        _bench.to_json(args.json, head, peaks, results, bandwidths)
         print(f"wrote {args.json}")
     if args.plot:
         _bench.plot(args.plot, peaks, results, args.shapes, libraries)
@@ -204,12 +208,13 @@ def parser():
                     "median times, GFLOP/s and the share of NumPy's matmul peak. For NumPy's "
                     "real speed unset OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE if they are set.")
     b.add_argument("--peers", metavar="LIST",
-                   help=f"comma-separated, from {','.join(_peers.PEERS)} "
+                   help=f"comma-separated, from {','.join(_peers.ALL_PEERS)} "
                         "(default: numpy plus those installed)")
     b.add_argument("--threads", type=_thread_counts, metavar="LIST",
                    help="thread counts, e.g. 1,2 (default: fastattn's max threads)")
     b.add_argument("--shapes", type=_shapes, default=list(_bench.SHAPES), metavar="LIST",
-                   help="shape names, comma-separated (default all): " + ", ".join(
+                   help="shape or group names, comma-separated (default all); groups: "
+                        + ", ".join(_bench.SHAPE_GROUPS) + "; shapes: " + ", ".join(
                        f"{s.name} ({s.label})" for s in _bench.SHAPES))
     b.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     b.add_argument("--repeat", type=int, default=10, metavar="N",

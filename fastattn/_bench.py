@@ -21,7 +21,7 @@ import numpy as np
 
 import fastattn
 from fastattn import reference
-from fastattn._peers import LIBRARIES, PEERS
+from fastattn._peers import ALL_PEERS, LIBRARIES
 
 PAUSE_S = 0.2          # lets spinning BLAS/OpenMP workers fall asleep between loops
 SAMPLE_S = 2e-3        # a sample repeats a call until it lasts this long (µs calls)
@@ -176,19 +176,25 @@ def matmul_peak(threads, dtype=np.float32, repeat=10, min_time=0.5):
     return 2 * PEAK_N**3 / t.median_s / 1e9
 
 
+def _self_dot(x):
+    return np.dot(x, x)
+
+
 def read_bandwidth(threads, repeat=10, min_time=0.5):
-    """The practical read bandwidth in GB/s: ``threads`` Python threads each sum
-    an equal slice of a BANDWIDTH_BYTES float32 array (NumPy's sum runs on one
-    thread and releases the GIL, so the slices are read in parallel). Nothing
-    of fastattn is used; decode shapes are reported against this."""
+    """A practical read bandwidth in GB/s: ``threads`` Python threads each read
+    an equal slice of a BANDWIDTH_BYTES float32 array once, as BLAS's dot of the
+    slice with itself on one BLAS thread (NumPy releases the GIL there, so the
+    slices are read in parallel). Nothing of fastattn is used; decode shapes
+    are reported against this. Not np.sum: its pairwise loop is bound by the
+    adds, not by memory, on one core (about 60 % of this on an EPYC)."""
     from concurrent.futures import ThreadPoolExecutor
     a = np.ones(BANDWIDTH_BYTES // 4, np.float32)  # written once: every page is mapped
     chunks = np.array_split(a, threads)
-    if threads == 1:
-        t = time_call(a.sum, repeat, min_time)
-    else:
-        with ThreadPoolExecutor(threads) as pool:
-            t = time_call(lambda: list(pool.map(np.sum, chunks)), repeat, min_time)
+    with blas_threads(1), ThreadPoolExecutor(threads) as pool:
+        if threads == 1:
+            t = time_call(lambda: _self_dot(a), repeat, min_time)
+        else:
+            t = time_call(lambda: list(pool.map(_self_dot, chunks)), repeat, min_time)
     return a.nbytes / t.median_s / 1e9
 
 
@@ -269,7 +275,7 @@ def library_status(requested):
     status = {"fastattn": "ok"}
     for name in requested:
         if name not in LIBRARIES:
-            status[name] = f"unknown library (known: {', '.join(PEERS)})"
+            status[name] = f"unknown library (known: {', '.join(ALL_PEERS)})"
         elif not LIBRARIES[name].installed():
             status[name] = "not installed (pip install 'fastattn[peers]')"
         else:
@@ -568,6 +574,13 @@ def _cell_rate(r):
     return f"{_sig3(r.gflops)}{share}"
 
 
+def _cell_bandwidth(r):
+    if r is None or r.status != "ok" or r.gbps is None:
+        return "—"
+    share = f" ({100 * r.bandwidth_share:.0f} %)" if r.bandwidth_share is not None else ""
+    return f"{_sig3(r.gbps)}{share}"
+
+
 def _table(shapes, libraries, by_key, cell):
     titles = [LIBRARIES[name].title for name in libraries]
     lines = ["| shape B×Hq×L×S×E | " + " | ".join(titles) + " |",
@@ -578,23 +591,47 @@ def _table(shapes, libraries, by_key, cell):
     return lines
 
 
-def markdown(peaks, results, shapes, libraries):
-    """One pair of tables per thread count: times (with each peer's time over
-    fastattn's), then GFLOP/s (with the share of the matmul peak)."""
+def markdown(peaks, results, shapes, libraries, bandwidths=None):
+    """One pair of tables per thread count and kind of shape: times (with each
+    peer's time over fastattn's), then GFLOP/s with the share of the matmul
+    peak (full shapes) or GB/s of K and V read with the share of the read
+    bandwidth (decode shapes: bound by memory, not by the FPU)."""
+    bandwidths = bandwidths or {}
     lines = []
     for threads, peak in peaks.items():
         by_key = {(r.shape, r.library): r for r in results if r.threads == threads}
+        bw = bandwidths.get(threads)
+        bw_text = (f"; read bandwidth {bw:.1f} GB/s (BLAS dot of a {BANDWIDTH_BYTES >> 20} MiB "
+                   "array with itself, one stream a thread)") if bw else ""
         lines += [f"### {threads_text(threads)}: matmul peak {peak:.0f} GFLOP/s "
-                  f"(NumPy {PEAK_N}×{PEAK_N} matmul)", "",
+                  f"(NumPy {PEAK_N}×{PEAK_N} matmul){bw_text}", "",
                   "Median time per call; in brackets, the time over fastattn's "
                   f"(above 1: fastattn is faster); † noisy: interquartile range over "
                   f"{100 * NOISY:.0f} % of the median; ‡ other processes used over "
-                  f"{100 * BUSY:.0f} % of the CPUs during the loop.", ""]
-        lines += _table(shapes, libraries, by_key, _cell_time)
-        lines += ["", "GFLOP/s (4·B·Hq·L·S·E per call, half for causal) and, in brackets, "
-                  "the share of the matmul peak.", ""]
-        lines += _table(shapes, libraries, by_key, _cell_rate)
-        lines.append("")
+                  f"{100 * BUSY:.0f} % of the CPUs during the loop; — not run.", ""]
+        full = [sh for sh in shapes if not sh.decode]
+        decode = [sh for sh in shapes if sh.decode]
+        if full:
+            libs = [n for n in libraries if LIBRARIES[n].kinds is None or "full" in LIBRARIES[n].kinds]
+            lines += _table(full, libs, by_key, _cell_time)
+            lines += ["", "GFLOP/s (4·B·Hq·L·S·E per call, half for causal) and, in brackets, "
+                      "the share of the matmul peak.", ""]
+            lines += _table(full, libs, by_key, _cell_rate)
+            lines.append("")
+        if decode:
+            libs = [n for n in libraries
+                    if LIBRARIES[n].kinds is None or "decode" in LIBRARIES[n].kinds]
+            if full:
+                lines += ["Decode shapes:", ""]
+            lines += _table(decode, libs, by_key, _cell_time)
+            share = (f"the share of the read bandwidth measured in this run "
+                     f"({bw:.1f} GB/s, {threads_text(threads)})" if bw else
+                     "the share of the read bandwidth")
+            lines += ["", "GB/s: bytes of K and V read per call (2·B·Hkv·S·E·4 in float32) "
+                      f"over the median time; in brackets, {share} (over 100 %: "
+                      "the library reads faster than one plain stream per thread does).", ""]
+            lines += _table(decode, libs, by_key, _cell_bandwidth)
+            lines.append("")
     problems = [r for r in results if r.status != "ok"]
     if problems:
         lines.append("Not timed:")
@@ -603,8 +640,9 @@ def markdown(peaks, results, shapes, libraries):
     return "\n".join(lines).rstrip() + "\n"
 
 
-def to_json(path, head, peaks, results):
+def to_json(path, head, peaks, results, bandwidths=None):
     doc = {"header": head, "matmul_peak_gflops": {str(t): p for t, p in peaks.items()},
+           "read_bandwidth_gbps": {str(t): b for t, b in (bandwidths or {}).items()},
            "results": [dataclasses.asdict(r) for r in results]}
     with open(path, "w") as f:
         json.dump(doc, f, indent=2, default=str)

@@ -21,6 +21,7 @@ class Peer:
     title = ""     # what the table shows
     module = ""    # what must be importable
     dists = ()     # distributions whose versions the header prints
+    kinds = None   # the Shape kinds it runs on ("full", "decode"); None: every shape
 
     def installed(self):
         return importlib.util.find_spec(self.module) is not None
@@ -134,6 +135,83 @@ class OnnxRuntime(Peer):
         return lambda: session.run(None, feeds)[0]
 
 
+class OrtGroupQueryAttention(OnnxRuntime):
+    """ONNX Runtime's ``GroupQueryAttention`` (com.microsoft contrib op) the way
+    a decoder runs it (onnxruntime-genai's past-present shared buffer): the new
+    token(s) come in as query (B, L, Hq·E) and key/value (B, L, Hkv·E); the KV
+    cache is a (B, Hkv, S, E) buffer bound as both past_key/past_value and
+    present_key/present_value, so the op appends the new rows in place instead
+    of copying the cache every call; seqlens_k = S − 1 and
+    total_sequence_length = S say how much of it is valid. The layout changes
+    (query to BSNH, the output back to BNSH) happen once, outside the timed call.
+
+    The op is causal by construction: L new rows see the cache and the new rows
+    up to themselves. So it runs decode shapes only, and only where that is the
+    problem asked: L == 1, or causal (bottom-right)."""
+
+    name, title = "ort_gqa", "ORT GroupQueryAttention"
+    dists = ("onnxruntime",)
+    kinds = ("decode",)
+
+    def prepare(self, q, k, v, causal, threads):
+        ort = self.load()
+        from onnx import TensorProto, helper
+        B, Hq, L, E = q.shape
+        Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[-1]
+        if L > 1 and not causal:
+            raise NotImplementedError(
+                f"GroupQueryAttention is causal: its {L} new rows cannot all see every key")
+        if q.dtype != np.float32 or Ev != E:
+            raise NotImplementedError("GroupQueryAttention on the CPU: float32, Ev == E only")
+        f32, i32 = TensorProto.FLOAT, TensorProto.INT32
+        inputs = [helper.make_tensor_value_info("query", f32, [B, L, Hq * E]),
+                  helper.make_tensor_value_info("key", f32, [B, L, Hkv * E]),
+                  helper.make_tensor_value_info("value", f32, [B, L, Hkv * E]),
+                  helper.make_tensor_value_info("past_key", f32, [B, Hkv, S, E]),
+                  helper.make_tensor_value_info("past_value", f32, [B, Hkv, S, E]),
+                  helper.make_tensor_value_info("seqlens_k", i32, [B]),
+                  helper.make_tensor_value_info("total_sequence_length", i32, [])]
+        outputs = [helper.make_tensor_value_info(n, f32, None)
+                   for n in ("output", "present_key", "present_value")]
+        node = helper.make_node("GroupQueryAttention", [i.name for i in inputs],
+                                [o.name for o in outputs], domain="com.microsoft",
+                                num_heads=Hq, kv_num_heads=Hkv, scale=1 / math.sqrt(E))
+        opset = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+        model = helper.make_model(helper.make_graph([node], "gqa", inputs, outputs),
+                                  opset_imports=opset, ir_version=10)
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        session = ort.InferenceSession(model.SerializeToString(), options,
+                                       providers=["CPUExecutionProvider"])
+
+        def bsnh(x):  # (B, H, L, E) → (B, L, H·E)
+            return np.ascontiguousarray(x.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+        # the cache: all S rows of K and V; the op rewrites the last L with the same values
+        cache_k = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(k))
+        cache_v = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v))
+        out = np.empty((B, L, Hq * E), np.float32)
+        binding = session.io_binding()
+        binding.bind_cpu_input("query", bsnh(q))
+        binding.bind_cpu_input("key", bsnh(k[:, :, S - L:]))
+        binding.bind_cpu_input("value", bsnh(v[:, :, S - L:]))
+        binding.bind_ortvalue_input("past_key", cache_k)
+        binding.bind_ortvalue_input("past_value", cache_v)
+        binding.bind_cpu_input("seqlens_k", np.full((B,), S - 1, np.int32))
+        binding.bind_cpu_input("total_sequence_length", np.array(S, np.int32))
+        binding.bind_ortvalue_output("output", ort.OrtValue.ortvalue_from_numpy(out))
+        binding.bind_ortvalue_output("present_key", cache_k)
+        binding.bind_ortvalue_output("present_value", cache_v)
+        result = out.reshape(B, L, Hq, E).transpose(0, 2, 1, 3)  # a view: no copy per call
+
+        def call():
+            session.run_with_iobinding(binding)
+            return result
+
+        return call
+
+
 class OpenVINO(Peer):
     """``opset13.scaled_dot_product_attention`` compiled for the CPU in float32
     (it runs in bfloat16 on CPUs that have it unless told f32). SDPA needs equal
@@ -169,10 +247,15 @@ def _ov_repeat_heads(ops, node, q_shape, kv_shape):
 
 
 # fastattn first: it is what every ratio is taken against.
-LIBRARIES = {p.name: p for p in (FastAttn(), NumPyTextbook(), Torch(), OnnxRuntime(), OpenVINO())}
-PEERS = [name for name in LIBRARIES if name != "fastattn"]
+LIBRARIES = {p.name: p for p in (FastAttn(), NumPyTextbook(), Torch(), OnnxRuntime(), OpenVINO(),
+                                  OrtGroupQueryAttention())}
+# peers that run every shape (the pytest-benchmark suite times these) ...
+PEERS = [name for name in LIBRARIES if name != "fastattn" and LIBRARIES[name].kinds is None]
+# ... and those that run some kinds only (the bench skips them elsewhere)
+KIND_PEERS = [name for name in LIBRARIES if LIBRARIES[name].kinds is not None]
+ALL_PEERS = PEERS + KIND_PEERS
 
 
 def default_peers():
     """NumPy plus every other peer that is installed."""
-    return [name for name in PEERS if name == "numpy" or LIBRARIES[name].installed()]
+    return [name for name in ALL_PEERS if name == "numpy" or LIBRARIES[name].installed()]

@@ -63,7 +63,9 @@ def test_failing_peers_are_reported_not_timed(monkeypatch):
     shapes = [_bench.SHAPES_BY_NAME["tiny"]]
     libs = ["fastattn", "broken", "raises"]
     progress = _bench.Progress(1, stream=io.StringIO())
-    peaks, results = _bench.run(shapes, libs, [1], repeat=2, min_time=0, progress=progress)
+    peaks, results, bandwidths = _bench.run(shapes, libs, [1], repeat=2, min_time=0,
+                                            progress=progress)
+    assert bandwidths == {}  # no decode shape, no bandwidth loop
     by_lib = {r.library: r for r in results}
     assert by_lib["fastattn"].status == "ok" and by_lib["fastattn"].median_s > 0
     assert by_lib["broken"].status == "failed check" and by_lib["broken"].median_s is None
@@ -108,3 +110,54 @@ def test_plot(tmp_path):
                              gflops=1.0, peak_share=0.01)]
     _bench.plot(tmp_path / "bench.png", {1: 100.0}, results, shapes, ["fastattn", "numpy"])
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_decode_shapes():
+    decode = _bench.SHAPE_GROUPS["decode"]
+    assert {s.name for s in decode} >= {"dec4k", "dec8k_gqa", "dec32k_mqa", "dec4_gqa"}
+    assert all(s.decode and not s.causal for s in decode)
+    assert not any(s.decode for s in _bench.SHAPE_GROUPS["full"])
+    mqa = _bench.SHAPES_BY_NAME["dec32k_mqa"]
+    assert mqa.label == "decode MQA 1×8/1×1×32768×128"
+    assert mqa.kv_bytes() == 2 * 1 * 1 * 32768 * 128 * 4
+    assert _bench.SHAPES_BY_NAME["dec4_gqa"].L == 4
+
+
+def test_decode_run_reports_bandwidth(monkeypatch):
+    monkeypatch.setattr(_bench, "PEAK_N", 128)
+    monkeypatch.setattr(_bench, "PAUSE_S", 0)
+    monkeypatch.setattr(_bench, "BANDWIDTH_BYTES", 2**22)
+    shapes = [_bench.Shape("smalldec", 1, 4, 2, 1, 300, 16, kind="decode"),
+              _bench.SHAPES_BY_NAME["tiny"]]
+    libs = ["fastattn", "numpy"] + (["ort_gqa"] if _peers.LIBRARIES["ort_gqa"].installed() else [])
+    progress = _bench.Progress(1, stream=io.StringIO())
+    peaks, results, bandwidths = _bench.run(shapes, libs, [1, 2], repeat=2, min_time=0,
+                                            progress=progress)
+    assert set(bandwidths) == {1, 2} and all(b > 0 for b in bandwidths.values())
+    by_key = {(r.shape, r.library, r.threads): r for r in results}
+    assert ("tiny", "ort_gqa", 1) not in by_key  # a decode-only peer skips full shapes
+    for lib in libs:
+        r = by_key[("smalldec", lib, 1)]
+        assert r.status == "ok", r.detail
+        assert r.gbps > 0 and r.bandwidth_share > 0
+    assert by_key[("tiny", "fastattn", 1)].gbps is None
+    table = _bench.markdown(peaks, results, shapes, libs, bandwidths)
+    assert "read bandwidth" in table and "GB/s" in table and "Decode shapes:" in table
+
+
+def test_ort_gqa_decode_matches_reference():
+    lib = _peers.LIBRARIES["ort_gqa"]
+    if not lib.installed():
+        pytest.skip("onnxruntime not installed")
+    for shape in (_bench.Shape("g1", 2, 8, 2, 1, 257, 32, kind="decode"),
+                  _bench.Shape("g4c", 1, 8, 2, 4, 100, 32, causal=True, kind="decode")):
+        q, k, v = shape.inputs()
+        ref = _bench.reference_for(shape, q, k, v)
+        call = lib.prepare(q, k, v, shape.causal, 1)
+        for _ in range(3):  # the cache is updated in place; calls must stay right
+            out = np.asarray(call())
+        assert out.shape == q.shape
+        assert _bench.max_error(out, ref) <= ref.tolerance
+    shape = _bench.Shape("g4", 1, 8, 2, 4, 100, 32, kind="decode")  # not causal: unsupported
+    with pytest.raises(NotImplementedError):
+        lib.prepare(*shape.inputs(), False, 1)

@@ -71,6 +71,7 @@ def test_bench_json_and_unknown_peer(tmp_path):
 def test_bench_rejects_bad_options(tmp_path):
     p = run_cli(tmp_path, "bench", "--shapes", "tiny,huge")
     assert p.returncode == 2 and "unknown shape(s) huge" in p.stderr
+    assert "decode" in p.stderr  # the groups are listed
     p = run_cli(tmp_path, "bench", "--threads", "0")
     assert p.returncode == 2 and "--threads" in p.stderr
 
@@ -85,3 +86,10 @@ def test_failed_check_exits_1(monkeypatch, capsys):
     monkeypatch.setattr(fastattn, "attention", off_by_a_bit)
     assert cli.main(["demo"]) == 1
     assert "FAILED" in capsys.readouterr().out
+
+
+def test_shape_groups():
+    assert cli._shapes("decode") == cli._bench.SHAPE_GROUPS["decode"]
+    picked = cli._shapes("tiny,decode,dec4k")
+    assert picked[0].name == "tiny" and len(picked) == 1 + len(cli._bench.SHAPE_GROUPS["decode"])
+    assert [s.name for s in cli._shapes("full,decode")] == [s.name for s in cli._bench.SHAPES]
