@@ -210,7 +210,17 @@ static void FN(item)(const fa_plan *p, const fa_item *it, void *scratch) {
     const T *q = (const T *)a->q;
     T *qt_s = (T *)qt;
     const T c = (T)p->scale_log2e;
-    for (int64_t e = 0; e < E; e++) {
+    const int64_t e_full = E / W * W;
+    for (int u = 0; u < nvc; u++) { /* whole W×W blocks: transposed in registers */
+        const int64_t r0 = (int64_t)u * W, nr = rows - r0 < W ? rows - r0 : W;
+        for (int64_t e0 = 0; e0 < e_full; e0 += W) {
+            VT x[W];
+            for (int i = 0; i < W; i++) x[i] = i < nr ? FN(v_loadu)(q + q_row[r0 + i] + e0) * c : (VT){0};
+            FN(v_transpose)(x);
+            for (int i = 0; i < W; i++) qt[(e0 + i) * FA_NV + u] = x[i];
+        }
+    }
+    for (int64_t e = e_full; e < E; e++) { /* the last E % W columns one by one */
         T *dst = qt_s + e * BQ;
         if (rows < nvc * W) qt[e * FA_NV + nvc - 1] = (VT){0};
         for (int64_t r = 0; r < rows; r++) dst[r] = q[q_row[r] + e] * c;
@@ -246,10 +256,21 @@ static void FN(item)(const fa_plan *p, const fa_item *it, void *scratch) {
         for (int u = 0; u < nvc; u++) ot[e * FA_NV + u] *= alpha[u];
     const T *ot_s = (const T *)ot, *m_s = (const T *)m, *l_s = (const T *)l;
     T *out = it->partial ? (T *)it->partial : (T *)a->out, *lse = it->partial ? (T *)it->partial : (T *)a->lse;
+    int64_t o_off[BQ], lse_off[BQ];
+    for (int64_t r = 0; r < rows; r++) o_off[r] = fa_out_offset(p, it, r, &lse_off[r]);
+    const int64_t ev_full = Ev / W * W;
+    for (int u = 0; u < nvc; u++) { /* whole W×W blocks: transposed in registers */
+        const int64_t r0 = (int64_t)u * W, nr = rows - r0 < W ? rows - r0 : W;
+        for (int64_t e0 = 0; e0 < ev_full; e0 += W) {
+            VT x[W];
+            for (int i = 0; i < W; i++) x[i] = ot[(e0 + i) * FA_NV + u];
+            FN(v_transpose)(x);
+            for (int64_t i = 0; i < nr; i++) memcpy(out + o_off[r0 + i] + e0, &x[i], sizeof(VT));
+        }
+    }
     for (int64_t r = 0; r < rows; r++) {
-        int64_t lse_off, o_off = fa_out_offset(p, it, r, &lse_off);
-        for (int64_t e = 0; e < Ev; e++) out[o_off + e] = ot_s[e * BQ + r];
-        if (lse) lse[lse_off] = l_s[r] == 0 ? -(T)INFINITY : m_s[r] * (T)0.69314718055994530942 + FN(log_t)(l_s[r]);
+        for (int64_t e = ev_full; e < Ev; e++) out[o_off[r] + e] = ot_s[e * BQ + r];
+        if (lse) lse[lse_off[r]] = l_s[r] == 0 ? -(T)INFINITY : m_s[r] * (T)0.69314718055994530942 + FN(log_t)(l_s[r]);
     }
 }
 

@@ -11,12 +11,6 @@
  */
 #define FA_FEW 8   /* rows at most (the table's few_rows, W/2, is never more) */
 
-static inline VT FN(v_loadu)(const T *x) {
-    VT v;
-    memcpy(&v, x, sizeof v);
-    return v;
-}
-
 /* The first n < W elements of x, the rest 0 (never reads past x[n-1]). */
 static inline VT FN(v_load_part)(const T *x, int n) {
     VT v = {0};

@@ -30,4 +30,67 @@ static inline VT FN(v_select)(VU m, VT a, VT b) {
  * running maximum of the other lanes' rows. */
 static inline VT FN(v_max)(VT a, VT b) { return FN(v_select)((VU)(b > a), b, a); }
 
+/* An unaligned load (memcpy compiles to one). */
+static inline VT FN(v_loadu)(const T *x) {
+    VT v;
+    memcpy(&v, x, sizeof v);
+    return v;
+}
+
+/* W in the preprocessor, for the shuffle index lists below. */
+#define FA_WPP (FA_VBYTES / (FA_MANT == 23 ? 4 : 8))
+
+/* x[0..W) := its transpose (x[i][j] ↔ x[j][i]), in registers: log2 W stages,
+ * each swapping the off-diagonal h×h blocks of every 2h×2h block with
+ * two-vector shuffles. Needs __builtin_shufflevector (clang, GCC ≥ 12);
+ * elsewhere a round trip through memory. */
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#define FA_LO(j, h) (((j) & (h)) ? FA_WPP + (j) - (h) : (j))
+#define FA_HI(j, h) (((j) & (h)) ? FA_WPP + (j) : (j) + (h))
+#define FA_IDX2(M, h) M(0, h), M(1, h)
+#define FA_IDX4(M, h) FA_IDX2(M, h), M(2, h), M(3, h)
+#define FA_IDX8(M, h) FA_IDX4(M, h), M(4, h), M(5, h), M(6, h), M(7, h)
+#define FA_IDX16(M, h) FA_IDX8(M, h), M(8, h), M(9, h), M(10, h), M(11, h), M(12, h), M(13, h), M(14, h), M(15, h)
+#if FA_WPP == 16
+#define FA_IDX FA_IDX16
+#elif FA_WPP == 8
+#define FA_IDX FA_IDX8
+#elif FA_WPP == 4
+#define FA_IDX FA_IDX4
+#elif FA_WPP == 2
+#define FA_IDX FA_IDX2
+#endif
+#define FA_STAGE(h)                                                          \
+    for (int i = 0; i < W; i++)                                              \
+        if (!(i & (h))) {                                                    \
+            VT a_ = x[i], b_ = x[i + (h)];                                   \
+            x[i] = __builtin_shufflevector(a_, b_, FA_IDX(FA_LO, h));        \
+            x[i + (h)] = __builtin_shufflevector(a_, b_, FA_IDX(FA_HI, h));  \
+        }
+static inline void FN(v_transpose)(VT *x) {
+#if FA_WPP >= 16
+    FA_STAGE(8)
+#endif
+#if FA_WPP >= 8
+    FA_STAGE(4)
+#endif
+#if FA_WPP >= 4
+    FA_STAGE(2)
+#endif
+#if FA_WPP >= 2
+    FA_STAGE(1)
+#endif
+    (void)x;
+}
+#undef FA_STAGE
+#undef FA_IDX
+#else
+static inline void FN(v_transpose)(VT *x) {
+    T t[W][W];
+    memcpy(t, x, sizeof t);
+    for (int i = 0; i < W; i++)
+        for (int j = 0; j < W; j++) x[i][j] = t[j][i];
+}
+#endif
+
 #include "vexp2.h"
