@@ -40,12 +40,13 @@ def _native(dtype):
     return dtype.newbyteorder("=")
 
 
-def _kernel_ready(a):
+def _kernel_ready(a, contiguous_last=True):
     """The array itself when C can read it in place, else the smallest copy
-    that it can: last axis contiguous, aligned, native byte order."""
+    that it can: aligned, native byte order, whole-element strides, and (for
+    q, k, v; a mask may have any strides) a contiguous last axis."""
     if not a.dtype.isnative:
-        a = a.astype(a.dtype.newbyteorder("="))
-    if (a.shape[-1] > 1 and a.strides[-1] != a.itemsize or not a.flags.aligned
+        a = a.astype(_native(a.dtype))
+    if (contiguous_last and a.shape[-1] > 1 and a.strides[-1] != a.itemsize or not a.flags.aligned
             or any(s % a.itemsize for s in a.strides)):
         # np.array, not np.ascontiguousarray: that returns a contiguous but
         # misaligned array as it is, and C would read it misaligned.
@@ -99,10 +100,7 @@ def _check_mask(mask, dtype, scores_shape):
         raise ValueError(
             f"mask of shape {_shape(m)} does not broadcast to the scores' shape "
             f"{scores_shape} (..., L, S)")
-    # Any strides will do (C takes all four), but aligned, native and whole elements.
-    if not m.dtype.isnative or not m.flags.aligned or any(s % m.itemsize for s in m.strides):
-        m = np.array(m, dtype=m.dtype.newbyteorder("="), order="C")  # a fresh, aligned copy
-    return m
+    return _kernel_ready(m, contiguous_last=False)
 
 
 def _check_window(window):
