@@ -223,13 +223,14 @@ def attention(q, k, v, *, mask=None, causal=False, window=None, kv_lengths=None,
     lse : ndarray, (..., Hq, L)
         Only with ``return_lse=True``.
     """
-    if (mask is None and window is None and out is None and not return_lse
+    if (mask is None and window is None and not return_lse
             and (causal is False or causal is True)
             and (scale is None or type(scale) is float and scale != 0 and math.isfinite(scale))
             and (num_threads is None or type(num_threads) is int and 0 < num_threads < 2**31)):
         # The common call, checked and run in the binding (microseconds count
         # for small calls); None when it is not that simple.
-        result = _kernel.attention_fast(q, k, v, causal, kv_lengths, scale or 0.0, num_threads or 0)
+        result = _kernel.attention_fast(q, k, v, causal, kv_lengths, scale or 0.0, num_threads or 0,
+                                         out)
         if result is not None:
             return result
     q = _as_input(q, "q")

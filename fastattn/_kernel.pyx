@@ -161,17 +161,20 @@ cdef bint _plain(object x, int ndim, int type_num):
     return cnp.PyArray_DIM(a, ndim - 1) <= 1 or cnp.PyArray_STRIDE(a, ndim - 1) == size
 
 
-def attention_fast(q, k, v, bint causal, kv_lengths=None, double scale=0.0, int num_threads=0):
+def attention_fast(q, k, v, bint causal, kv_lengths=None, double scale=0.0, int num_threads=0,
+                   out=None):
     """The common call — q, k, v plain arrays of one float dtype and one rank
     (2, 3 or 4), equal batch axes, no mask, kv_lengths None or
     a 1-D int64 array with one entry per batch entry of 4-D inputs (a KV
-    cache's decoding step); scale 0 means 1/sqrt(E), num_threads 0 the
+    cache's decoding step), out None or a writeable plain array of the
+    result's shape whose memory is clear of the inputs' (a layer's
+    concatenated-heads view); scale 0 means 1/sqrt(E), num_threads 0 the
     OpenMP default — checked and run without the general path's
     broadcasting. Returns None for anything else, and for any argument C
     refuses: the caller then takes the general path, which words the error."""
     if type(q) is not cnp.ndarray:
         return None
-    cdef cnp.ndarray qa = <cnp.ndarray>q, ka, va, out
+    cdef cnp.ndarray qa = <cnp.ndarray>q, ka, va, oa
     cdef int nd = cnp.PyArray_NDIM(qa)
     cdef int dt = cnp.PyArray_TYPE(qa)
     if nd < 2 or nd > 4 or (dt != cnp.NPY_FLOAT32 and dt != cnp.NPY_FLOAT64):
@@ -194,7 +197,19 @@ def attention_fast(q, k, v, bint causal, kv_lengths=None, double scale=0.0, int 
     for i in range(nd - 1):
         shape[i] = cnp.PyArray_DIM(qa, i)
     shape[nd - 1] = Ev
-    out = cnp.PyArray_SimpleNew(nd, shape, dt)
+    if out is None:
+        out = cnp.PyArray_SimpleNew(nd, shape, dt)
+    elif not _plain(out, nd, dt) or not cnp.PyArray_ISWRITEABLE(<cnp.ndarray>out):
+        return None
+    else:
+        oa = <cnp.ndarray>out
+        for i in range(nd):
+            if cnp.PyArray_DIM(oa, i) != shape[i]:
+                return None
+        if _overlap(oa, qa) or _overlap(oa, <cnp.ndarray>k) or _overlap(oa, <cnp.ndarray>v) or (
+                type(kv_lengths) is cnp.ndarray and _overlap(oa, <cnp.ndarray>kv_lengths)):
+            return None
+    oa = <cnp.ndarray>out
 
     cdef fa_args a
     cdef int rc
@@ -204,11 +219,11 @@ def attention_fast(q, k, v, bint causal, kv_lengths=None, double scale=0.0, int 
     if nd == 4:
         a.B = cnp.PyArray_DIM(qa, 0)
     a.Hq, a.Hkv, a.L, a.S, a.E, a.Ev = Hq, Hkv, L, S, E, Ev
-    a.q, a.k, a.v, a.out = cnp.PyArray_DATA(qa), cnp.PyArray_DATA(ka), cnp.PyArray_DATA(va), cnp.PyArray_DATA(out)
+    a.q, a.k, a.v, a.out = cnp.PyArray_DATA(qa), cnp.PyArray_DATA(ka), cnp.PyArray_DATA(va), cnp.PyArray_DATA(oa)
     _strides_right(qa, a.q_stride)
     _strides_right(ka, a.k_stride)
     _strides_right(va, a.v_stride)
-    _strides_right(out, a.out_stride)
+    _strides_right(oa, a.out_stride)
     a.scale = scale if scale != 0 else 1.0 / sqrt(<double>E)  # as _api._scale: the same bits
     a.causal = causal
     a.num_threads = num_threads
@@ -228,6 +243,35 @@ def attention_fast(q, k, v, bint causal, kv_lengths=None, double scale=0.0, int 
     if rc:
         _raise(rc)
     return out
+
+
+cdef bint _overlap(cnp.ndarray a, cnp.ndarray b):
+    # whether the byte extents of a and b intersect (what np.may_share_memory
+    # tests); an empty array touches nothing
+    cdef char *lo_a
+    cdef char *hi_a
+    cdef char *lo_b
+    cdef char *hi_b
+    if cnp.PyArray_SIZE(a) == 0 or cnp.PyArray_SIZE(b) == 0:
+        return False
+    _extent(a, &lo_a, &hi_a)
+    _extent(b, &lo_b, &hi_b)
+    return lo_a < hi_b and lo_b < hi_a
+
+
+cdef void _extent(cnp.ndarray x, char **lo, char **hi):
+    # [lo, hi): the bytes a non-empty array's elements span, any strides
+    cdef char *p = <char *>cnp.PyArray_DATA(x)
+    cdef Py_ssize_t first = 0, last = 0, step
+    cdef int i
+    for i in range(cnp.PyArray_NDIM(x)):
+        step = cnp.PyArray_STRIDE(x, i) * (cnp.PyArray_DIM(x, i) - 1)
+        if step < 0:
+            first += step
+        else:
+            last += step
+    lo[0] = p + first
+    hi[0] = p + last + cnp.PyArray_ITEMSIZE(x)
 
 
 cdef void _strides_right(cnp.ndarray x, int64_t *dst):

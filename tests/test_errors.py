@@ -49,6 +49,15 @@ def _out_rows_alias():
     return _q(out=as_strided(buf, OUT_SHAPE, (0, 0, 0, 4)))
 
 
+def _out_over_kv_lengths():
+    # A 4-D decoding-style call (the binding's fast path takes out there):
+    # kv_lengths is int64 read from the first bytes of out's own buffer.
+    buf = np.full(OUT_SHAPE, SENTINEL, np.float32)
+    lens = buf.reshape(-1)[:4].view(np.int64)
+    lens[:] = 6
+    return _q(out=buf, kv_lengths=lens)
+
+
 def _readonly_out():
     out = np.full(OUT_SHAPE, SENTINEL, np.float32)
     out.setflags(write=False)
@@ -146,6 +155,8 @@ ATTENTION_CASES = [
     P(_out_is_q, ValueError, r"out must not overlap its inputs; it shares memory with q", id="out-is-q"),
     P(_out_view_of_v, ValueError, r"out must not overlap its inputs; it shares memory with v", id="out-view-of-v"),
     P(_out_rows_alias, ValueError, r"out.* overlap", id="out-rows-alias"),
+    P(_out_over_kv_lengths, ValueError, r"out must not overlap its inputs; it shares memory with kv_lengths",
+      id="out-over-kv_lengths"),
 ]
 
 
@@ -166,7 +177,9 @@ def test_attention_rejects(make, exc, match):
     for name, was in before.items():
         np.testing.assert_array_equal(after[name], was, err_msg=f"{name} was written on error")
     out = args["out"]
-    if isinstance(out, np.ndarray) and not np.shares_memory(out, q):
+    lens = args.get("kv_lengths")
+    if isinstance(out, np.ndarray) and not np.shares_memory(out, q) and not (
+            isinstance(lens, np.ndarray) and np.shares_memory(out, lens)):
         assert np.all(out == SENTINEL), "out was written on error"
 
 
