@@ -83,6 +83,42 @@ static inline void FN(v_transpose)(VT *x) {
     (void)x;
 }
 #undef FA_STAGE
+
+/* x[0..W) := Σ of each vector's lanes, all W sums in one vector: returns y
+ * with y[i] = Σ_u x[i][u]. A transpose-and-add tree: each stage pairs vector
+ * i with vector i + n/2 and halves segments of length s, so lane block
+ * [g·s, g·s + s/2) takes the first vector's two halves of segment g added, and
+ * [g·s + s/2, (g+1)·s) the second's. W − 1 adds (and 2(W − 1) shuffles) for W
+ * sums, where W separate trees take W·log2 W of each. Each sum pairs lanes in
+ * the order of a single tree (u with u + W/2 first), so the bits are those of
+ * W separate sums. */
+#define FA_SUM_A(j, s) ((j) % (s) < (s) / 2 ? (j) : FA_WPP + (j) - (s) / 2)
+#define FA_SUM_B(j, s) ((j) % (s) < (s) / 2 ? (j) + (s) / 2 : FA_WPP + (j))
+static inline VT FN(v_hsums)(VT *x) {
+    int n = W;
+#define FA_SUM_STAGE(s)                                                          \
+    n /= 2;                                                                      \
+    for (int i = 0; i < n; i++)                                                  \
+        x[i] = __builtin_shufflevector(x[i], x[i + n], FA_IDX(FA_SUM_A, s)) +    \
+               __builtin_shufflevector(x[i], x[i + n], FA_IDX(FA_SUM_B, s));
+#if FA_WPP >= 16
+    FA_SUM_STAGE(16)
+#endif
+#if FA_WPP >= 8
+    FA_SUM_STAGE(8)
+#endif
+#if FA_WPP >= 4
+    FA_SUM_STAGE(4)
+#endif
+#if FA_WPP >= 2
+    FA_SUM_STAGE(2)
+#endif
+#undef FA_SUM_STAGE
+    (void)n;
+    return x[0];
+}
+#undef FA_SUM_A
+#undef FA_SUM_B
 #undef FA_IDX
 #else
 static inline void FN(v_transpose)(VT *x) {
@@ -90,6 +126,18 @@ static inline void FN(v_transpose)(VT *x) {
     memcpy(t, x, sizeof t);
     for (int i = 0; i < W; i++)
         for (int j = 0; j < W; j++) x[i][j] = t[j][i];
+}
+
+static inline VT FN(v_hsums)(VT *x) {
+    VT y;
+    for (int i = 0; i < W; i++) {
+        T t[W];
+        memcpy(t, &x[i], sizeof t);
+        for (int w = W / 2; w > 0; w /= 2)
+            for (int u = 0; u < w; u++) t[u] += t[u + w];
+        y[i] = t[0];
+    }
+    return y;
 }
 #endif
 
