@@ -87,11 +87,32 @@ static inline __attribute__((always_inline)) void TILE(
 #error "FA_MR must be 4, 6, 8 or 12"
 #endif
 
-/* Sᵀ[j][·] = Σ_e K[j][e] · Qᵀ[e][·] for the nb keys of a block. */
+/* Rows [j, j + n) of the next block's K and V (FA_BK rows on), asked for
+ * now. Prefetching never faults, so rows past the end cost nothing. */
+static inline __attribute__((always_inline)) void FN(prefetch_next)(
+    const T *k, int64_t k_rs, int64_t E, const T *v, int64_t v_rs, int64_t Ev, int64_t j, int64_t n) {
+    const int64_t line = 64 / (int64_t)sizeof(T);
+    for (int64_t i = j + FA_BK; i < j + FA_BK + n; i++) {
+        for (int64_t e = 0; e < E; e += line) __builtin_prefetch(k + i * k_rs + e);
+        for (int64_t e = 0; e < Ev; e += line) __builtin_prefetch(v + i * v_rs + e);
+    }
+}
+
+/* Sᵀ[j][·] = Σ_e K[j][e] · Qᵀ[e][·] for the nb keys of a block.
+ * An item of one vector of rows (a few grouped heads decoding, short L) does
+ * so little work per K/V byte that it streams K and V from memory; it asks
+ * for the next block's rows a tile at a time, spread over this block's work
+ * (all at once was slower). 1×32/8×4×4096×128, one thread: 4.4 → 2.4 ms.
+ * Taller items reuse each block from cache and skip this. */
 static inline __attribute__((always_inline)) void FN(scores_tile_n)(
-    const int NVC, VT *st, const T *k, int64_t k_rs, const VT *qt, int64_t E, int64_t nb) {
+    const int NVC, VT *st, const T *k, int64_t k_rs, const VT *qt, int64_t E, int64_t nb,
+    const T *v, int64_t v_rs, int64_t Ev) {
     int64_t j = 0;
-    for (; j + FA_MR <= nb; j += FA_MR) TILE(FA_MR, NVC, st + j * FA_NV, k + j * k_rs, k_rs, 1, qt, E, 0);
+    for (; j + FA_MR <= nb; j += FA_MR) {
+        if (NVC == 1) FN(prefetch_next)(k, k_rs, E, v, v_rs, Ev, j, FA_MR);
+        TILE(FA_MR, NVC, st + j * FA_NV, k + j * k_rs, k_rs, 1, qt, E, 0);
+    }
+    if (NVC == 1) FN(prefetch_next)(k, k_rs, E, v, v_rs, Ev, j, nb - j);
     switch (nb - j) { /* the last rows in one narrower tile, each width compiled on its own */
 #define FA_TAIL(n) case n: TILE(n, NVC, st + j * FA_NV, k + j * k_rs, k_rs, 1, qt, E, 0); break;
         FA_TAILS
@@ -121,8 +142,9 @@ static inline __attribute__((always_inline)) void FN(values_tile_n)(
     default: call(FA_NV); break;                                  \
     }
 
-static void FN(scores_tile)(int nvc, VT *st, const T *k, int64_t k_rs, const VT *qt, int64_t E, int64_t nb) {
-#define FA_CALL(n) FN(scores_tile_n)(n, st, k, k_rs, qt, E, nb)
+static void FN(scores_tile)(int nvc, VT *st, const T *k, int64_t k_rs, const VT *qt, int64_t E, int64_t nb,
+                            const T *v, int64_t v_rs, int64_t Ev) {
+#define FA_CALL(n) FN(scores_tile_n)(n, st, k, k_rs, qt, E, nb, v, v_rs, Ev)
     FA_BY_WIDTH(nvc, FA_CALL)
 #undef FA_CALL
 }
@@ -237,7 +259,7 @@ static void FN(item)(const fa_plan *p, const fa_item *it, void *scratch) {
             for (int u = 0; u < nvc; u++) ot[e * FA_NV + u] = (VT){0};
     for (int64_t j0 = j_begin; j0 < j_end; j0 += FA_BK) {
         const int64_t nb = j_end - j0 < FA_BK ? j_end - j0 : FA_BK;
-        FN(scores_tile)(nvc, st, k + j0 * k_rs, k_rs, qt, E, nb);
+        FN(scores_tile)(nvc, st, k + j0 * k_rs, k_rs, qt, E, nb, v + j0 * v_rs, v_rs, Ev);
         if (a->mask_kind != FA_MASK_NONE) FN(mask_elements)((T *)st, 1, BQ, a, m_row, rows, j0, nb);
         /* Only blocks that cross some row's range boundary need masking; after
          * the caller's mask, so a NaN there at a hidden key stays hidden. */
