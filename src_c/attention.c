@@ -160,16 +160,21 @@ int fa_check(const fa_args *a) {
 #define FA_SERIAL_WORK (1 << 20)
 
 /* Contention guard. When another thread pool holds the cores (NumPy's
- * OpenBLAS threads spin for a while after each matmul), a team's worker can
- * start milliseconds late, and the call waits for it at the closing barrier.
- * A call that sees a worker start more than FA_LATE_START seconds after the
- * team was asked for runs the next FA_BACKOFF_CALLS calls below
- * FA_BACKOFF_WORK multiply-adds on the calling thread, then tries the team
- * again. Results never depend on the thread count, so this changes speed only. */
+ * OpenBLAS threads spin for tens of milliseconds after each matmul), a
+ * team's worker can start milliseconds late and the call waits for it at the
+ * closing barrier; and our own idle worker, spinning in the OpenMP runtime
+ * after the call, takes a core from that pool's next matmul. Both ways, a
+ * team on a busy machine is slower than the calling thread alone: measured
+ * with 1×8×512×512×32 causal calls between 512×256·256×1024 matmuls on
+ * NumPy's two BLAS threads, 3.4–4.0 ms a call and 3.1–4.6 ms a matmul with a
+ * team, against 1.1 ms and 0.6 ms on one thread. So a call that sees a
+ * worker start more than FA_LATE_START seconds after the team was asked for
+ * makes every call of the next FA_BACKOFF seconds run on the calling thread,
+ * then the team is tried again. Results never depend on the thread count,
+ * so this changes speed only. */
 #define FA_LATE_START 200e-6
-#define FA_BACKOFF_CALLS 64
-#define FA_BACKOFF_WORK (1 << 24)
-static int fa_backoff = 0; /* calls left to run serially; atomics only */
+#define FA_BACKOFF 50e-3
+static int64_t fa_backoff_until = 0; /* omp_get_wtime() in ns; atomics only */
 
 /* Split-KV: a call with fewer row blocks than this (decoding: one query row
  * per head) also splits the keys into chunks, computed in parallel and merged
@@ -344,10 +349,10 @@ int fa_attention(const fa_args *a) {
     int threads = forked ? 1 : a->num_threads > 0 ? a->num_threads : fa_max_threads();
     double work = (double)a->B * a->Hq * a->L * fa_keys_seen(a) * (a->E + a->Ev);
     if (work < FA_SERIAL_WORK) threads = 1;
-    if (threads > 1 && work < FA_BACKOFF_WORK && __atomic_load_n(&fa_backoff, __ATOMIC_RELAXED) > 0) {
-        __atomic_fetch_sub(&fa_backoff, 1, __ATOMIC_RELAXED);
+#ifdef _OPENMP
+    if (threads > 1 && omp_get_wtime() * 1e9 < (double)__atomic_load_n(&fa_backoff_until, __ATOMIC_RELAXED))
         threads = 1;
-    }
+#endif
     if ((int64_t)threads > n_items) threads = (int)n_items;
 #ifdef _OPENMP
     int cap = FA_THREADS_PER_PROC * omp_get_num_procs();
@@ -405,7 +410,9 @@ int fa_attention(const fa_args *a) {
                     if (!failed) merge_parts(a, &w, plan.group, base, parts);
             }
         }
-        if (late && work < FA_BACKOFF_WORK) __atomic_store_n(&fa_backoff, FA_BACKOFF_CALLS, __ATOMIC_RELAXED);
+#ifdef _OPENMP
+        if (late) __atomic_store_n(&fa_backoff_until, (int64_t)((omp_get_wtime() + FA_BACKOFF) * 1e9), __ATOMIC_RELAXED);
+#endif
     }
     free(parts);
     /* A thread without scratch skipped its items: the output is incomplete. */
