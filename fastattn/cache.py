@@ -279,6 +279,40 @@ class KVCache:
         """Empty every batch entry (the buffers are kept, not cleared)."""
         self._lengths[:] = 0
 
+    def truncate(self, lengths):
+        """Drop keys and values from the end: each batch entry keeps its first
+        ``lengths[b]`` (a rollback, as when speculative decoding rejects draft
+        tokens). Nothing is cleared or copied.
+
+        Parameters
+        ----------
+        lengths : array_like of int
+            Broadcastable to (batch,); each between 0 and the entry's current
+            length.
+
+        Raises
+        ------
+        ValueError
+            If a length is negative or longer than what the entry holds (the
+            message names the entry); the cache is then unchanged.
+        """
+        try:
+            new = np.broadcast_to(np.asarray(lengths), (self.batch,))
+        except ValueError:
+            raise ValueError(
+                f"lengths must be broadcastable to (batch={self.batch},); got shape "
+                f"{np.shape(lengths)}") from None
+        if new.dtype.kind not in "iu":
+            raise TypeError(f"lengths must be integers; got dtype {new.dtype}")
+        bad = np.flatnonzero((new < 0) | (new > self._lengths))
+        if bad.size:
+            b = int(bad[0])
+            raise ValueError(
+                f"truncate: batch entry {b} holds {int(self._lengths[b])} keys; cannot keep "
+                f"{int(new[b])} (a length must be between 0 and what the entry holds); "
+                "the cache is unchanged")
+        self._lengths[:] = new
+
     def __repr__(self):
         return (f"KVCache(batch={self.batch}, num_kv_heads={self.num_kv_heads}, "
                 f"capacity={self.capacity}, head_dim={self.head_dim}, head_dim_v={self.head_dim_v}, "

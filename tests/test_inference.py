@@ -123,6 +123,44 @@ def test_cache_per_entry_lengths():
         _close(out[b], ref, 1e-12)
 
 
+def test_cache_truncate_rolls_back_to_an_earlier_state():
+    """Appending draft tokens, truncating them away and appending others equals
+    never having drafted (speculative decoding's rollback)."""
+    rng = np.random.default_rng(14)
+    k1, v1 = randn(rng, (2, 2, 9, 4), np.float64), randn(rng, (2, 2, 9, 4), np.float64)
+    draft = randn(rng, (2, 2, 3, 4), np.float64)
+    k2, v2 = randn(rng, (2, 2, 2, 4), np.float64), randn(rng, (2, 2, 2, 4), np.float64)
+    rolled, plain = fastattn.KVCache(2, 2, 16, 4, dtype=np.float64), fastattn.KVCache(2, 2, 16, 4, dtype=np.float64)
+    rolled.append(k1, v1)
+    rolled.append(draft, draft)
+    rolled.truncate([10, 9])  # entry 0 keeps one draft token, entry 1 none
+    np.testing.assert_array_equal(rolled.lengths, [10, 9])
+    rolled.truncate(9)        # a scalar broadcasts
+    rolled.append(k2, v2)
+    plain.append(k1, v1)
+    plain.append(k2, v2)
+    np.testing.assert_array_equal(rolled.lengths, plain.lengths)
+    np.testing.assert_array_equal(rolled.keys, plain.keys)
+    np.testing.assert_array_equal(rolled.values, plain.values)
+    q = randn(rng, (2, 4, 2, 4), np.float64)
+    np.testing.assert_array_equal(rolled.attend(q), plain.attend(q))
+
+
+@pytest.mark.parametrize("lengths, exc, match", [
+    ([5, 7], ValueError, r"batch entry 1 holds 6 keys; cannot keep 7 .* the cache is unchanged"),
+    (-1, ValueError, r"batch entry 0 holds 6 keys; cannot keep -1"),
+    ([1, 2, 3], ValueError, r"lengths must be broadcastable to \(batch=2,\); got shape \(3,\)"),
+    (2.5, TypeError, r"lengths must be integers; got dtype float64"),
+])
+def test_cache_truncate_rejects_and_changes_nothing(lengths, exc, match):
+    cache = fastattn.KVCache(2, 1, 8, 4)
+    k = np.ones((2, 1, 6, 4), np.float32)
+    cache.append(k, k)
+    with pytest.raises(exc, match=match):
+        cache.truncate(lengths)
+    np.testing.assert_array_equal(cache.lengths, [6, 6])
+
+
 def test_cache_capacity_error_names_capacity_and_length_and_changes_nothing():
     rng = np.random.default_rng(5)
     cache = fastattn.KVCache(2, 1, 8, 4)
