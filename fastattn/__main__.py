@@ -185,8 +185,10 @@ def cmd_bench(args):
         _bench.to_json(args.json, head, peaks, results, bandwidths)
         print(f"wrote {args.json}")
     if args.plot:
-        _bench.plot(args.plot, peaks, results, args.shapes, libraries)
-        print(f"wrote {args.plot}")
+        if _bench.plot(args.plot, peaks, results, args.shapes, libraries):
+            print(f"wrote {args.plot}")
+        else:
+            print(f"{args.plot} not written: the chart shows attention shapes, and none was run")
     return 0
 
 
@@ -205,17 +207,19 @@ def parser():
         description="Time fastattn against textbook NumPy and the installed peer libraries, "
                     "each in its own loop, after checking each against fastattn.reference. "
                     "Prints a header (versions, CPU, thread pools) and Markdown tables of "
-                    "median times, GFLOP/s and the share of NumPy's matmul peak. For NumPy's "
+                    "median times, GFLOP/s and the share of NumPy's matmul peak; GB/s for "
+                    "decoding; tokens/s for a NumPy transformer block. For NumPy's "
                     "real speed unset OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE if they are set.")
     b.add_argument("--peers", metavar="LIST",
                    help=f"comma-separated, from {','.join(_peers.ALL_PEERS)} "
                         "(default: numpy plus those installed)")
     b.add_argument("--threads", type=_thread_counts, metavar="LIST",
                    help="thread counts, e.g. 1,2 (default: fastattn's max threads)")
-    b.add_argument("--shapes", type=_shapes, default=list(_bench.SHAPES), metavar="LIST",
+    b.add_argument("--shapes", type=_shapes, default=list(_bench.SHAPES_BY_NAME.values()),
+                   metavar="LIST",
                    help="shape or group names, comma-separated (default all); groups: "
                         + ", ".join(_bench.SHAPE_GROUPS) + "; shapes: " + ", ".join(
-                       f"{s.name} ({s.label})" for s in _bench.SHAPES))
+                       f"{s.name} ({s.label})" for s in _bench.SHAPES_BY_NAME.values()))
     b.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     b.add_argument("--repeat", type=int, default=10, metavar="N",
                    help="at least N timing samples per library and shape (default 10)")

@@ -20,7 +20,7 @@ from contextlib import nullcontext
 import numpy as np
 
 import fastattn
-from fastattn import reference
+from fastattn import _block, reference
 from fastattn._peers import ALL_PEERS, LIBRARIES
 
 PAUSE_S = 0.2          # lets spinning BLAS/OpenMP workers fall asleep between loops
@@ -108,9 +108,13 @@ SHAPES = [
     Shape("dec4_gqa", 1, 32, 8, 4, 4096, 128, kind="decode",
           about="GQA, 4 new rows (speculative decoding), each seeing all 4096 keys"),
 ]
-SHAPES_BY_NAME = {s.name: s for s in SHAPES}
+# A NumPy transformer block (fastattn._block), run with fastattn's attention
+# and with NumPy's: the end-to-end effect, projections and MLP included.
+BLOCK_SHAPES = _block.BLOCK_SHAPES
+SHAPES_BY_NAME = {s.name: s for s in SHAPES + BLOCK_SHAPES}
 # what --shapes takes besides a shape's name
-SHAPE_GROUPS = {kind: [s for s in SHAPES if s.kind == kind] for kind in ("full", "decode")}
+SHAPE_GROUPS = {kind: [s for s in SHAPES + BLOCK_SHAPES if s.kind == kind]
+                for kind in ("full", "decode", "block")}
 
 
 # ---------------------------------------------------------------------------
@@ -236,6 +240,16 @@ def reference_for(shape, q, k, v):
     return Reference(rows, expected, tol)
 
 
+def block_reference(problem):
+    """A block step's float64 result and the tolerance rule above, with the
+    same block in float32 with textbook NumPy attention as the textbook."""
+    expected, scale = problem.reference()
+    textbook = problem.prepare("numpy", None)()
+    err = float(np.abs(textbook.astype(np.float64) - expected).max())
+    tol = 1e-12 * max(scale, 1.0) if problem.dtype == np.float64 else tolerance(err, scale)
+    return Reference(problem.shape.new, expected, tol)
+
+
 def max_error(output, ref):
     out = np.asarray(output)
     if out.shape[-2] != ref.expected.shape[-2]:
@@ -259,6 +273,7 @@ class Result:
     peak_share: float = None      # of the same run's matmul GFLOP/s
     gbps: float = None            # decode shapes: bytes of K and V read per call / time
     bandwidth_share: float = None  # decode shapes: of the same run's read bandwidth
+    tokens_per_s: float = None    # block shapes: tokens through the block per second
     ratio_to_fastattn: float = None  # this library's time / fastattn's
     max_error: float = None
     tolerance: float = None
@@ -292,12 +307,14 @@ def _first_line(e):
     return f"{type(e).__name__}: {lines[0] if lines else ''}"[:200]
 
 
-def run_one(lib, shape, q, k, v, ref, threads, peak, repeat, min_time, bandwidth=None):
-    """Build, check, then time one library on one shape (its own loop)."""
+def run_one(lib, shape, prepare, ref, threads, peak, repeat, min_time, bandwidth=None,
+            dtype=np.float32):
+    """Build (``prepare(library name, threads)``), check, then time one
+    library on one shape (its own loop)."""
     res = Result(shape.name, shape.label, threads, lib.name, "error")
     try:
         with blas_threads(threads):
-            call = lib.prepare(q, k, v, shape.causal, threads)
+            call = prepare(lib.name, threads)
             res.max_error, res.tolerance = max_error(call(), ref), ref.tolerance
             if not res.max_error <= ref.tolerance:  # NaN fails too
                 res.status = "failed check"
@@ -314,8 +331,10 @@ def run_one(lib, shape, q, k, v, ref, threads, peak, repeat, min_time, bandwidth
     res.gflops = shape.flops / t.median_s / 1e9
     res.peak_share = res.gflops / peak if peak else None
     if shape.decode:
-        res.gbps = shape.kv_bytes(q.dtype) / t.median_s / 1e9
+        res.gbps = shape.kv_bytes(dtype) / t.median_s / 1e9
         res.bandwidth_share = res.gbps / bandwidth if bandwidth else None
+    if shape.kind == "block":
+        res.tokens_per_s = shape.tokens / t.median_s
     return res
 
 
@@ -376,9 +395,17 @@ def run(shapes, libraries, threads_list, dtype=np.float32, repeat=10, min_time=0
             progress.step(f"read bandwidth, {threads_text(threads)}: "
                           f"{bandwidths[threads]:.1f} GB/s")
     for shape in shapes:
-        q, k, v = shape.inputs(dtype)
         progress.show(f"{shape.name}: the reference")
-        ref = reference_for(shape, q, k, v)
+        if shape.kind == "block":
+            problem = _block.BlockProblem(shape, dtype)
+            ref = block_reference(problem)
+            prepare = problem.prepare
+        else:
+            q, k, v = shape.inputs(dtype)
+            ref = reference_for(shape, q, k, v)
+
+            def prepare(name, threads, q=q, k=k, v=v, causal=shape.causal):
+                return LIBRARIES[name].prepare(q, k, v, causal, threads)
         for threads in threads_list:
             base = None
             for lib in libs:
@@ -387,8 +414,8 @@ def run(shapes, libraries, threads_list, dtype=np.float32, repeat=10, min_time=0
                 time.sleep(PAUSE_S)
                 where = f"{shape.name}, {threads_text(threads)}: {lib.title}"
                 progress.show(where)
-                res = run_one(lib, shape, q, k, v, ref, threads, peaks[threads], repeat, min_time,
-                              bandwidths.get(threads))
+                res = run_one(lib, shape, prepare, ref, threads, peaks[threads], repeat, min_time,
+                              bandwidths.get(threads), dtype)
                 if lib.name == "fastattn" and res.status == "ok":
                     base = res.median_s
                 if base and res.median_s:
@@ -401,6 +428,8 @@ def run(shapes, libraries, threads_list, dtype=np.float32, repeat=10, min_time=0
 
 
 def _runs_on(lib, shape):
+    if shape.kind == "block":  # the same block, attention by each of these
+        return lib.name in _block.ATTENTIONS
     kinds = getattr(lib, "kinds", None)
     return kinds is None or shape.kind in kinds
 
@@ -581,6 +610,12 @@ def _cell_bandwidth(r):
     return f"{_sig3(r.gbps)}{share}"
 
 
+def _cell_tokens(r):
+    if r is None or r.status != "ok" or r.tokens_per_s is None:
+        return "—"
+    return f"{r.tokens_per_s:,.0f}" if r.tokens_per_s >= 100 else _sig3(r.tokens_per_s)
+
+
 def _table(shapes, libraries, by_key, cell):
     titles = [LIBRARIES[name].title for name in libraries]
     lines = ["| shape B×Hq×L×S×E | " + " | ".join(titles) + " |",
@@ -609,8 +644,9 @@ def markdown(peaks, results, shapes, libraries, bandwidths=None):
                   f"(above 1: fastattn is faster); † noisy: interquartile range over "
                   f"{100 * NOISY:.0f} % of the median; ‡ other processes used over "
                   f"{100 * BUSY:.0f} % of the CPUs during the loop; — not run.", ""]
-        full = [sh for sh in shapes if not sh.decode]
+        full = [sh for sh in shapes if sh.kind == "full"]
         decode = [sh for sh in shapes if sh.decode]
+        blocks = [sh for sh in shapes if sh.kind == "block"]
         if full:
             libs = [n for n in libraries if LIBRARIES[n].kinds is None or "full" in LIBRARIES[n].kinds]
             lines += _table(full, libs, by_key, _cell_time)
@@ -632,6 +668,15 @@ def markdown(peaks, results, shapes, libraries, bandwidths=None):
                       "the library reads faster than one plain stream per thread does).", ""]
             lines += _table(decode, libs, by_key, _cell_bandwidth)
             lines.append("")
+        if blocks:
+            libs = [n for n in libraries if n in _block.ATTENTIONS]
+            lines += ["Transformer block (fastattn._block: RMSNorm, projections and SiLU MLP as "
+                      "NumPy matmuls on NumPy's BLAS threads; attention by the column's library "
+                      "over the same KV cache). B×Hq×new tokens×S×E:", ""]
+            lines += _table(blocks, libs, by_key, _cell_time)
+            lines += ["", "Tokens per second through the block (B·new tokens per call):", ""]
+            lines += _table(blocks, libs, by_key, _cell_tokens)
+            lines.append("")
     problems = [r for r in results if r.status != "ok"]
     if problems:
         lines.append("Not timed:")
@@ -649,12 +694,16 @@ def to_json(path, head, peaks, results, bandwidths=None):
 
 
 def plot(path, peaks, results, shapes, libraries):
-    """GFLOP/s per shape, one bar per library, one panel per thread count,
-    the matmul peak as a dashed line. Needs matplotlib."""
+    """GFLOP/s per attention shape, one bar per library, one panel per thread
+    count, the matmul peak as a dashed line. Needs matplotlib. False (and no
+    file) when no attention shape was run."""
     import matplotlib
     matplotlib.use("Agg")  # files only; never needs a display
     import matplotlib.pyplot as plt
 
+    shapes = [s for s in shapes if s.kind != "block"]  # attention only: the peers' bars
+    if not shapes:
+        return False
     fig, axes = plt.subplots(len(peaks), 1, figsize=(1.6 * len(shapes) + 1, 3.8 * len(peaks)),
                              squeeze=False)
     width = 0.8 / len(libraries)
@@ -674,3 +723,4 @@ def plot(path, peaks, results, shapes, libraries):
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.4 / fig.get_figheight()))
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return True

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from fastattn import _bench, _peers
+from fastattn import _bench, _block, _peers
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -108,8 +108,11 @@ def test_plot(tmp_path):
     shapes = [_bench.SHAPES_BY_NAME["tiny"]]
     results = [_bench.Result("tiny", "1×8×10×10×64", 1, "fastattn", "ok", median_s=1e-5,
                              gflops=1.0, peak_share=0.01)]
-    _bench.plot(tmp_path / "bench.png", {1: 100.0}, results, shapes, ["fastattn", "numpy"])
+    assert _bench.plot(tmp_path / "bench.png", {1: 100.0}, results, shapes, ["fastattn", "numpy"])
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+    # block rows are not attention shapes: alone, they draw nothing
+    assert not _bench.plot(tmp_path / "none.png", {1: 100.0}, [], _bench.BLOCK_SHAPES, ["fastattn"])
+    assert not (tmp_path / "none.png").exists()
 
 
 def test_decode_shapes():
@@ -161,3 +164,76 @@ def test_ort_gqa_decode_matches_reference():
     shape = _bench.Shape("g4", 1, 8, 2, 4, 100, 32, kind="decode")  # not causal: unsupported
     with pytest.raises(NotImplementedError):
         lib.prepare(*shape.inputs(), False, 1)
+
+
+# --------------------------------------------------------------------------
+# The transformer block (fastattn._block)
+# --------------------------------------------------------------------------
+
+SMALL_BLOCKS = [_block.BlockShape("bp", 2, 48, 4, 2, 37),              # prefill, GQA
+                _block.BlockShape("bd", 3, 32, 4, 4, 1, past=70)]      # decode
+
+
+@pytest.mark.parametrize("shape", SMALL_BLOCKS, ids=lambda s: s.name)
+def test_block_steps_match_the_float64_block_and_repeat(shape):
+    problem = _block.BlockProblem(shape)
+    ref = _bench.block_reference(problem)
+    assert ref.expected.shape == (shape.B, shape.new, shape.d_model)
+    fast, textbook = problem.prepare("fastattn", 1), problem.prepare("numpy", 1)
+    first = fast()
+    assert first.dtype == np.float32 and first.shape == ref.expected.shape
+    assert _bench.max_error(first, ref) <= ref.tolerance
+    assert _bench.max_error(textbook(), ref) <= ref.tolerance
+    # Each call starts from the same cache (rolled back to `past`): same bits.
+    np.testing.assert_array_equal(fast(), first)
+
+
+def test_block_reference_catches_a_wrong_attention():
+    shape = SMALL_BLOCKS[1]
+    problem = _block.BlockProblem(shape)
+    ref = _bench.block_reference(problem)
+    # Attention that ignores the cached keys (only the new token): a real bug
+    # a decoder can have; the check must see it.
+    cache = problem._cache(problem.block)
+
+    def new_keys_only(q, k, v, mask):
+        return _block.textbook_attention(q, k[:, :, -1:], v[:, :, -1:], None)
+
+    cache.truncate(shape.past)
+    wrong = problem.block.forward(problem.x, cache, new_keys_only)
+    assert _bench.max_error(wrong, ref) > ref.tolerance
+
+
+def test_block_shapes():
+    names = [s.name for s in _bench.BLOCK_SHAPES]
+    assert names == [s.name for s in _bench.SHAPE_GROUPS["block"]]
+    assert not set(names) & {s.name for s in _bench.SHAPES}
+    prefill = _bench.SHAPES_BY_NAME["block_prefill"]
+    T, d, E = 1024, 512, 64
+    assert prefill.step == "prefill" and prefill.E == E and prefill.S == T and prefill.tokens == T
+    assert prefill.flops == 2 * T * d * 32 * E + 16 * T * d * d + 4 * 8 * T * T * E // 2
+    dec = _bench.SHAPES_BY_NAME["block_decode_gqa"]
+    assert dec.step == "decode" and dec.S == dec.past + 1 and dec.tokens == dec.B
+    assert dec.label == "block decode d_model 2048, 4×32/8×1×2048×64"
+    with pytest.raises(ValueError, match="a block runs with attention by fastattn or numpy; got 'torch'"):
+        _block.BlockProblem(SMALL_BLOCKS[1]).prepare("torch", 1)
+
+
+def test_block_run_reports_tokens_per_second(monkeypatch):
+    monkeypatch.setattr(_bench, "PEAK_N", 128)
+    monkeypatch.setattr(_bench, "PAUSE_S", 0)
+    shapes = SMALL_BLOCKS + [_bench.SHAPES_BY_NAME["tiny"]]
+    libs = ["fastattn", "numpy"] + (["torch"] if _peers.LIBRARIES["torch"].installed() else [])
+    progress = _bench.Progress(1, stream=io.StringIO())
+    peaks, results, _ = _bench.run(shapes, libs, [1], repeat=2, min_time=0, progress=progress)
+    by_key = {(r.shape, r.library): r for r in results}
+    for shape in SMALL_BLOCKS:
+        assert ("bp", "torch") not in by_key  # a block is run with fastattn and NumPy only
+        for lib in ("fastattn", "numpy"):
+            r = by_key[(shape.name, lib)]
+            assert r.status == "ok", r.detail
+            assert r.tokens_per_s == pytest.approx(shape.tokens / r.median_s)
+    assert by_key[("tiny", "fastattn")].tokens_per_s is None
+    table = _bench.markdown(peaks, results, shapes, libs)
+    assert "Transformer block" in table and "Tokens per second" in table
+    assert f"| bd: {SMALL_BLOCKS[1].label} |" in table
