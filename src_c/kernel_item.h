@@ -164,8 +164,14 @@ static void FN(values_tile)(int nvc, VT *ot, const T *v, int64_t v_rs, const VT 
 static void FN(softmax_block)(int nvc, VT *st, int64_t nb, VT *m, VT *l, VT *alpha) {
     const VT neg_inf = FN(v_splat)(-(T)INFINITY);
     for (int u = 0; u < nvc; u++) {
-        VT m_new = m[u];
-        for (int64_t j = 0; j < nb; j++) m_new = FN(v_max)(m_new, st[j * FA_NV + u]);
+        /* Four running maxima, so the block's max is not one chain of nb
+         * dependent steps (max is exact: any order gives the same bits). */
+        VT m4[4] = {m[u], m[u], m[u], m[u]};
+        int64_t j = 0;
+        for (; j + 4 <= nb; j += 4)
+            for (int i = 0; i < 4; i++) m4[i] = FN(v_max)(m4[i], st[(j + i) * FA_NV + u]);
+        for (; j < nb; j++) m4[0] = FN(v_max)(m4[0], st[j * FA_NV + u]);
+        VT m_new = FN(v_max)(FN(v_max)(m4[0], m4[1]), FN(v_max)(m4[2], m4[3]));
         VT m_sub = FN(v_select)((VU)(m_new == neg_inf), FN(v_splat)(0), m_new);
         VT sum = {0};
         for (int64_t j = 0; j < nb; j++) {
