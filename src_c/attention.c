@@ -175,6 +175,9 @@ int fa_check(const fa_args *a) {
 #define FA_LATE_START 200e-6
 #define FA_BACKOFF 50e-3
 static int64_t fa_backoff_until = 0; /* omp_get_wtime() in ns; atomics only */
+/* The first team starts late anyway (the runtime creates its threads then):
+ * that call does not count. */
+static int fa_team_started = 0;
 
 /* Split-KV: a call with fewer row blocks than this (decoding: one query row
  * per head) also splits the keys into chunks, computed in parallel and merged
@@ -411,6 +414,7 @@ int fa_attention(const fa_args *a) {
             }
         }
 #ifdef _OPENMP
+        if (!__atomic_exchange_n(&fa_team_started, 1, __ATOMIC_RELAXED)) late = 0;
         if (late) __atomic_store_n(&fa_backoff_until, (int64_t)((omp_get_wtime() + FA_BACKOFF) * 1e9), __ATOMIC_RELAXED);
 #endif
     }
