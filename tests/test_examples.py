@@ -97,3 +97,40 @@ def test_transformer_example_exits_1_when_the_tokens_differ(monkeypatch, capsys)
     out = capsys.readouterr().out
     assert "same tokens with fastattn and numpy: NO" in out
     assert "tokens (numpy):" in out
+
+
+# What the test appends to a README block: checks of what the block claims.
+README_CHECKS = {
+    "KVCache": """
+assert out.shape == (2, 8, 1, 64) and lse.shape == (2, 8, 1)
+full, full_lse = fastattn.attention(q, k, k, return_lse=True)
+np.testing.assert_allclose(out, full, rtol=1e-5, atol=1e-6)   # the merge is one call over all 100 keys
+np.testing.assert_allclose(lse, full_lse, rtol=1e-5, atol=1e-5)
+np.testing.assert_array_equal(cache.lengths, [100, 100])       # rolled back
+assert y.shape == (1, 10, 512) and np.isfinite(y).all()
+""",
+}
+
+
+def _readme_python_blocks():
+    text = (REPO / "README.md").read_text()
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
+def test_readme_python_blocks_run(tmp_path):
+    """Every ```python block of the README runs as written (each in its own
+    process: one calls fastattn.set_isa), with checks of what it claims."""
+    blocks = _readme_python_blocks()
+    assert len(blocks) >= 2
+    checked = set()
+    for block in blocks:
+        code = block
+        for marker, checks in README_CHECKS.items():
+            if marker in block:
+                code += checks
+                checked.add(marker)
+        # run outside the checkout: its fastattn/ source folder must not shadow the built package
+        r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0, f"README block failed:\n{block}\n{r.stderr}"
+    assert checked == set(README_CHECKS)
