@@ -132,7 +132,7 @@ class Run(NamedTuple):
 def generate(model, prompt, n_tokens, run):
     """Greedy decoding: returns the tokens, the prefill time and the decode time."""
     # (b): OpenBLAS limited to one thread around the matmuls, so no BLAS
-    # thread is left spinning on a core when fastattn's OpenMP team starts.
+    # thread is left spinning on the core fastattn's worker wants.
     with threadpool_limits(1, "blas") if run.blas_one_thread else contextlib.nullcontext():
         caches = model.new_caches(prompt.shape[0], prompt.shape[1] + n_tokens)
         t0 = time.perf_counter()
@@ -192,21 +192,22 @@ def main(argv=None):
             times[run].append((prefill, decode))
 
     print(f"\n{'attention':<36}{'prefill tok/s':>14}{'decode tok/s':>14}{'ms/step':>10}")
-    rate = {}
+    rate, prefill_rate = {}, {}
     for run, ts in times.items():
         prefill = statistics.median(t[0] for t in ts)
         decode = statistics.median(t[1] for t in ts)
         rate[run] = a.batch * (a.tokens - 1) / decode
-        print(f"{str(run):<36}{a.batch * a.prompt / prefill:>14.0f}{rate[run]:>14.1f}"
+        prefill_rate[run] = a.batch * a.prompt / prefill
+        print(f"{str(run):<36}{prefill_rate[run]:>14.0f}{rate[run]:>14.1f}"
               f"{1e3 * decode / (a.tokens - 1):>10.2f}")
     if Run("fastattn", True) in rate:
-        base = rate[Run("fastattn")]
-        print(f"\nthread-pool contention, fastattn decode tok/s: (a) as is {base:.1f}, "
-              f"(b) threadpool_limits(1, 'blas') around the matmuls {rate[Run('fastattn', True)]:.1f} "
-              f"({rate[Run('fastattn', True)] / base:.2f}x); one OpenMP thread "
-              f"{rate[Run('fastattn', threads=1)]:.1f} ({rate[Run('fastattn', threads=1)] / base:.2f}x)")
-        print("process-wide equivalents: OPENBLAS_NUM_THREADS=1, OMP_NUM_THREADS=1, "
-              "OMP_WAIT_POLICY=passive")
+        print("\nthread-pool contention, fastattn tok/s (prefill / decode), against (a) as is:")
+        base = Run("fastattn")
+        for run, what in ((Run("fastattn", True), "(b) threadpool_limits(1, 'blas') around the matmuls"),
+                          (Run("fastattn", threads=1), "(c) num_threads=1")):
+            print(f"  {what}: {prefill_rate[run]:.0f} / {rate[run]:.1f} "
+                  f"({prefill_rate[run] / prefill_rate[base]:.2f}x / {rate[run] / rate[base]:.2f}x)")
+        print("process-wide equivalents: OPENBLAS_NUM_THREADS=1, OMP_NUM_THREADS=1")
     if hasattr(os, "getloadavg"):  # not on Windows
         print(f"machine load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs "
               "(other processes make every timing slower and noisier)")

@@ -1,5 +1,6 @@
 /* attention.c — the driver behind fa_attention: checks every argument, plans
- * the call, splits it into work items and runs them on an OpenMP team.
+ * the call, splits it into work items and runs them on fastattn's worker
+ * threads (pool.c; an OpenMP team where there are no POSIX threads).
  * The arithmetic lives in the per-ISA kernels (kernel_item.h); this file owns
  * argument checking, the work decomposition, threads and scratch memory.
  */
@@ -9,23 +10,11 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(_OPENMP) && !defined(_WIN32)
-#include <pthread.h>
-#define FA_FORK_GUARD 1
+#if !defined(_WIN32)
+#include <unistd.h>
 #endif
 #include "internal.h"
-
-#ifdef FA_FORK_GUARD
-/* GCC's OpenMP runtime is not fork-safe: a child forked after a parallel
- * region inherits a thread pool whose threads do not exist there, and its
- * next parallel region waits for them forever. A child of a process that has
- * run fastattn therefore computes on its calling thread alone: same results
- * (they never depend on the thread count), no hang. */
-static volatile int fa_forked = 0;
-static void fa_mark_forked(void) { fa_forked = 1; }
-static pthread_once_t fa_fork_once = PTHREAD_ONCE_INIT;
-static void fa_install_fork_guard(void) { pthread_atfork(NULL, NULL, fa_mark_forked); }
-#endif
+#include "pool.h"
 
 void fa_args_init(fa_args *a) {
     memset(a, 0, sizeof *a);
@@ -153,31 +142,9 @@ int fa_check(const fa_args *a) {
 
 /* Below this many multiply-adds (L·S·(E+Ev) summed over heads, S counting
  * only keys some batch entry can see) a call runs on the calling thread:
- * such a call takes tens of microseconds on one core, and waking a team, and
- * meeting it at the barrier, costs a good part of that on an idle machine —
- * and milliseconds when another process (NumPy's spinning OpenBLAS threads,
- * say) holds the other cores. */
+ * such a call takes tens of microseconds on one core, and waking a worker
+ * costs a good part of that. */
 #define FA_SERIAL_WORK (1 << 20)
-
-/* Contention guard. When another thread pool holds the cores (NumPy's
- * OpenBLAS threads spin for tens of milliseconds after each matmul), a
- * team's worker can start milliseconds late and the call waits for it at the
- * closing barrier; and our own idle worker, spinning in the OpenMP runtime
- * after the call, takes a core from that pool's next matmul. Both ways, a
- * team on a busy machine is slower than the calling thread alone: measured
- * with 1×8×512×512×32 causal calls between 512×256·256×1024 matmuls on
- * NumPy's two BLAS threads, 3.4–4.0 ms a call and 3.1–4.6 ms a matmul with a
- * team, against 1.1 ms and 0.6 ms on one thread. So a call that sees a
- * worker start more than FA_LATE_START seconds after the team was asked for
- * makes every call of the next FA_BACKOFF seconds run on the calling thread,
- * then the team is tried again. Results never depend on the thread count,
- * so this changes speed only. */
-#define FA_LATE_START 200e-6
-#define FA_BACKOFF 50e-3
-static int64_t fa_backoff_until = 0; /* omp_get_wtime() in ns; atomics only */
-/* The first team starts late anyway (the runtime creates its threads then):
- * that call does not count. */
-static int fa_team_started = 0;
 
 /* Split-KV: a call with fewer row blocks than this (decoding: one query row
  * per head) also splits the keys into chunks, computed in parallel and merged
@@ -235,10 +202,22 @@ static fa_work plan_work(const fa_args *a, int64_t bq, int64_t few, int64_t grou
     return w;
 }
 
+/* Processors this process may run on. */
+static int fa_procs(void) {
+#if defined(_OPENMP)
+    return omp_get_num_procs();
+#elif defined(_SC_NPROCESSORS_ONLN)
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (int)n : 1;
+#else
+    return 1;
+#endif
+}
+
 /* At most this many threads per processor (and at least FA_MIN_THREAD_CAP in
- * all): more only adds overhead, and a count the system cannot create makes
- * libgomp exit the whole process ("Thread creation failed"). Results do not
- * depend on the count, so capping it changes no bit. */
+ * all): more only adds overhead (and under an OpenMP team, a count the system
+ * cannot create makes libgomp exit the whole process). Results do not depend
+ * on the count, so capping it changes no bit. */
 #define FA_THREADS_PER_PROC 4
 #define FA_MIN_THREAD_CAP 64
 
@@ -315,6 +294,35 @@ static void *scratch_alloc(size_t bytes) {
     return p;
 }
 
+/* One call's items, shared by the threads that run them. */
+typedef struct fa_job {
+    const fa_plan *plan;
+    const fa_work *w;
+    void (*item)(const fa_plan *, const fa_item *, void *);
+    size_t scratch;
+    char *parts;
+    int64_t n_items;
+    int64_t next;  /* the next item to take (atomic) */
+    int64_t done;  /* items computed (atomic) */
+} fa_job;
+
+/* One thread's share: take items in order (costliest first, see item_at)
+ * until none are left, in this thread's own scratch. A thread that cannot
+ * get scratch takes none, and the others do its share. */
+static void run_items(void *ctx) {
+    fa_job *job = (fa_job *)ctx;
+    void *buf = scratch_alloc(job->scratch);
+    if (!buf) return;
+    int64_t idx, done = 0;
+    while ((idx = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < job->n_items) {
+        const fa_item it = item_at(job->plan->a, job->w, job->plan->group, idx, job->parts);
+        job->item(job->plan, &it, buf);
+        done++;
+    }
+    __atomic_fetch_add(&job->done, done, __ATOMIC_RELEASE);
+    free(buf);
+}
+
 int fa_attention(const fa_args *a) {
     int err = fa_check(a);
     if (err) return err;
@@ -343,82 +351,28 @@ int fa_attention(const fa_args *a) {
     char *parts = NULL;
     if (w.n_chunks > 1 && !(parts = scratch_alloc((size_t)n_items * w.part_bytes))) return FA_ERR_NOMEM;
 
-#ifdef FA_FORK_GUARD
-    pthread_once(&fa_fork_once, fa_install_fork_guard);
-    const int forked = fa_forked;
-#else
-    const int forked = 0;
-#endif
-    int threads = forked ? 1 : a->num_threads > 0 ? a->num_threads : fa_max_threads();
+    int threads = a->num_threads > 0 ? a->num_threads : fa_max_threads();
     double work = (double)a->B * a->Hq * a->L * fa_keys_seen(a) * (a->E + a->Ev);
     if (work < FA_SERIAL_WORK) threads = 1;
-#ifdef _OPENMP
-    if (threads > 1 && omp_get_wtime() * 1e9 < (double)__atomic_load_n(&fa_backoff_until, __ATOMIC_RELAXED))
-        threads = 1;
-#endif
     if ((int64_t)threads > n_items) threads = (int)n_items;
-#ifdef _OPENMP
-    int cap = FA_THREADS_PER_PROC * omp_get_num_procs();
+    int cap = FA_THREADS_PER_PROC * fa_procs();
     if (cap < FA_MIN_THREAD_CAP) cap = FA_MIN_THREAD_CAP;
     if (threads > cap) threads = cap;
-#endif
 
-    int failed = 0;
-    if (threads <= 1) {
-        void *buf = scratch_alloc(scratch);
-        if (buf) {
-            for (int64_t idx = 0; idx < n_items; idx++) {
-                const fa_item it = item_at(a, &w, plan.group, idx, parts);
-                item(&plan, &it, buf);
-            }
-            if (parts)
-                for (int64_t base = 0; base < w.n_base; base++) merge_parts(a, &w, plan.group, base, parts);
-        }
-        failed = !buf;
-        free(buf);
-    } else {
-        int late = 0;
+    fa_job job = {&plan, &w, item, scratch, parts, n_items, 0, 0};
+#ifdef FA_HAVE_POOL
+    fa_pool_run(threads, run_items, &job);
+#else
 #ifdef _OPENMP
-        const double asked = omp_get_wtime();
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(threads) if (threads > 1)
 #endif
-        {
-#ifdef _OPENMP
-            if (omp_get_thread_num() != 0 && omp_get_wtime() - asked > FA_LATE_START) {
-#pragma omp atomic write
-                late = 1;
-            }
+    run_items(&job);
 #endif
-            void *buf = scratch_alloc(scratch);
-            if (!buf) {
-#ifdef _OPENMP
-#pragma omp atomic write
-#endif
-                failed = 1;
-            }
-#ifdef _OPENMP
-#pragma omp for schedule(dynamic, 1)
-#endif
-            for (int64_t idx = 0; idx < n_items; idx++) {
-                if (!buf) continue;
-                const fa_item it = item_at(a, &w, plan.group, idx, parts);
-                item(&plan, &it, buf);
-            }
-            free(buf);
-            if (parts) {
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
-                for (int64_t base = 0; base < w.n_base; base++)
-                    if (!failed) merge_parts(a, &w, plan.group, base, parts);
-            }
-        }
-#ifdef _OPENMP
-        if (!__atomic_exchange_n(&fa_team_started, 1, __ATOMIC_RELAXED)) late = 0;
-        if (late) __atomic_store_n(&fa_backoff_until, (int64_t)((omp_get_wtime() + FA_BACKOFF) * 1e9), __ATOMIC_RELAXED);
-#endif
-    }
+    /* Every thread that lacked scratch took no item; if none had any, items
+     * are left and the output is incomplete. */
+    const int failed = job.done < n_items;
+    if (parts && !failed)
+        for (int64_t base = 0; base < w.n_base; base++) merge_parts(a, &w, plan.group, base, parts);
     free(parts);
-    /* A thread without scratch skipped its items: the output is incomplete. */
     return failed ? FA_ERR_NOMEM : FA_OK;
 }

@@ -175,10 +175,11 @@ def _child_calls(q, k, v, expected):
 
 @pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="no fork here")
 def test_fork_child_after_parallel_call_finishes(record_property):
-    """libgomp's thread pool does not survive fork: without the guard in
-    src_c/attention.c the child's first parallel region waits forever."""
+    """A forked child has none of the parent's worker threads: src_c/pool.c
+    starts afresh there (GCC's OpenMP runtime waited forever for the
+    parent's threads). The child's 2-thread calls finish with the same bits."""
     q, k, v = _big()
-    assert 2 * 4 * 300 * 300 * 128 > 16 * SERIAL_WORK  # the call uses the team
+    assert 2 * 4 * 300 * 300 * 128 > 16 * SERIAL_WORK  # the call uses the workers
     expected = fastattn.attention(q, k, v, num_threads=2)
     ctx = multiprocessing.get_context("fork")
     with warnings.catch_warnings():  # Python >= 3.12 warns about fork in a threaded process
@@ -194,7 +195,7 @@ def test_fork_child_after_parallel_call_finishes(record_property):
         child.join()
         pytest.fail("the forked child hung in its fastattn call (30 s)")
     assert child.exitcode == 0, f"the forked child exited {child.exitcode} (3: wrong result)"
-    # the parent's own team is unharmed
+    # the parent's own workers are unharmed
     assert _bitwise(fastattn.attention(q, k, v, num_threads=2), expected)
 
 
@@ -264,7 +265,7 @@ def _threshold_shapes(isa, dtype):
     bq, few = ROWS_PER_ITEM[isa][i], FEW_ROWS[isa][i]
     shapes = [
         (1, 4, 4, 64, 255, 8, 8, None),    # 4·64·255·16 < 2^20: the calling thread
-        (1, 4, 4, 64, 256, 8, 8, None),    # = 2^20: the team
+        (1, 4, 4, 64, 256, 8, 8, None),    # = 2^20: the workers
     ]
     for L in sorted({max(bq - 1, 1), bq, bq + 1, 2 * bq + 1}):      # query items; below bq,
         shapes.append((2, 8, 2, L, 520, 64, 64, None))                # items span a GQA group

@@ -33,7 +33,7 @@ x86_64 | amd64)
     objects=("$tmp/kernels_avx2.o" "$tmp/kernels_avx512.o")
     ;;
 esac
-"$CC" "${flags[@]}" tests/c/test_capi.c src_c/attention.c src_c/dispatch.c src_c/kernels_scalar.c \
+"$CC" "${flags[@]}" tests/c/test_capi.c src_c/attention.c src_c/pool.c src_c/dispatch.c src_c/kernels_scalar.c \
     src_c/kernels_vec128.c "${objects[@]}" -o "$tmp/test_capi" -lm
 
 # libgomp keeps its worker threads alive until exit; their thread-local storage

@@ -2,7 +2,7 @@
  *
  * Build from the repository root (plain C, no Python; works on any CPU):
  *
- *   cc -O2 -std=gnu99 -fopenmp -Isrc_c examples/c/decode.c src_c/attention.c src_c/dispatch.c src_c/kernels_scalar.c src_c/kernels_vec128.c -o decode -lm
+ *   cc -O2 -std=gnu99 -fopenmp -Isrc_c examples/c/decode.c src_c/attention.c src_c/pool.c src_c/dispatch.c src_c/kernels_scalar.c src_c/kernels_vec128.c -o decode -lm
  *
  * Run: ./decode [steps [threads]]. The AVX2/AVX-512 kernels are optional extras, each
  * compiled into its own object with its own flags (see examples/README.md).
