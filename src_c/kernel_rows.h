@@ -97,16 +97,31 @@ static inline __attribute__((always_inline)) void FN(dot_values_n)(
     const int R, VT *os, int64_t nEv, const T *st, const T *v, int64_t v_rs, int64_t Ev, int64_t nb,
     const T *alpha, int first) {
     const int64_t full = Ev / W, tail = Ev % W;
-    for (int64_t u = 0; u < nEv; u++) {
-        VT acc[FA_FEW];
-        for (int r = 0; r < R; r++) acc[r] = (VT){0};
+    /* G vectors of the head dim at a time, G·R accumulators in registers.
+     * One row reads V rows whole and in order (G = 8: 1×32×1×4096×128
+     * streamed 12 % faster on one thread than one cache line of 64 rows at a
+     * time); with 4 rows the same (G = 2) was 14–20 % slower, so more rows
+     * keep G = 1. Each sum still runs over j in order: the same bits. */
+    const int G = R == 1 ? 8 : 1;
+    for (int64_t u0 = 0; u0 < nEv; u0 += G) {
+        const int g = nEv - u0 < G ? (int)(nEv - u0) : G;
+        VT acc[FA_FEW][8];
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < G; i++) acc[r][i] = (VT){0};
         for (int64_t j = 0; j < nb; j++) {
-            const T *vj = v + j * v_rs + u * W;
-            if (u * W % (64 / (int64_t)sizeof(T)) == 0) __builtin_prefetch(vj + FA_BK * v_rs);
-            const VT vv = u < full ? FN(v_loadu)(vj) : FN(v_load_part)(vj, (int)tail);
-            for (int r = 0; r < R; r++) acc[r] += st[r * FA_BK + j] * vv;
+            const T *vj = v + j * v_rs + u0 * W;
+            for (int64_t e = 0; e < g * W; e += 64 / (int64_t)sizeof(T)) __builtin_prefetch(vj + FA_BK * v_rs + e);
+            for (int i = 0; i < G; i++) {
+                if (i >= g) break;
+                const VT vv = u0 + i < full ? FN(v_loadu)(vj + i * W) : FN(v_load_part)(vj + i * W, (int)tail);
+                for (int r = 0; r < R; r++) acc[r][i] += st[r * FA_BK + j] * vv;
+            }
         }
-        for (int r = 0; r < R; r++) os[r * nEv + u] = first ? acc[r] : os[r * nEv + u] * alpha[r] + acc[r];
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < g; i++) {
+                VT *o = &os[r * nEv + u0 + i];
+                *o = first ? acc[r][i] : *o * alpha[r] + acc[r][i];
+            }
     }
 }
 
