@@ -11,12 +11,12 @@ into an empty cache) or a decode step (one new token per sequence against
 owns the block, its inputs and its float64 reference.
 """
 import dataclasses
-import math
 import zlib
 
 import numpy as np
 
 from fastattn import reference
+from fastattn._peers import causal_mask, textbook_attention
 from fastattn.layers import MultiHeadAttention
 
 ATTENTIONS = ("fastattn", "numpy")  # the libraries a block row is timed with
@@ -83,27 +83,6 @@ def rms_norm(x, eps=1e-6):
 
 def silu(x):
     return x / (1 + np.exp(-x))
-
-
-def causal_mask(L, S, dtype):
-    """Additive bottom-right causal mask: row i sees keys j <= i + S − L."""
-    return np.triu(np.full((L, S), -np.inf, dtype), k=S - L + 1)
-
-
-def textbook_attention(q, k, v, mask):
-    """softmax(q kᵀ/√E + mask) v as a NumPy decoder writes it: K/V heads
-    repeated per group (a copy each step), scores, max-subtracted exp, sum."""
-    group = q.shape[-3] // k.shape[-3]
-    if group > 1:
-        k, v = np.repeat(k, group, axis=-3), np.repeat(v, group, axis=-3)
-    s = q @ k.swapaxes(-1, -2)
-    s *= q.dtype.type(1 / math.sqrt(q.shape[-1]))
-    if mask is not None:
-        s += mask
-    s -= s.max(axis=-1, keepdims=True)
-    np.exp(s, out=s)
-    s /= s.sum(axis=-1, keepdims=True)
-    return s @ v
 
 
 class Block:

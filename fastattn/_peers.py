@@ -63,25 +63,30 @@ class NumPyTextbook(Peer):
     name, title, module, dists = "numpy", "NumPy", "numpy", ("numpy",)
 
     def prepare(self, q, k, v, causal, threads):
-        L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
-        group = q.shape[-3] // k.shape[-3]
-        scale = q.dtype.type(1 / math.sqrt(E))
-        # bottom-right alignment: row i sees keys j <= i + S - L (= top-left when L == S)
-        mask = np.triu(np.full((L, S), -np.inf, q.dtype), k=S - L + 1) if causal else None
+        mask = causal_mask(q.shape[-2], k.shape[-2], q.dtype) if causal else None
+        return lambda: textbook_attention(q, k, v, mask)
 
-        def textbook():
-            kk = np.repeat(k, group, axis=-3) if group > 1 else k
-            vv = np.repeat(v, group, axis=-3) if group > 1 else v
-            s = q @ kk.swapaxes(-1, -2)
-            s *= scale
-            if mask is not None:
-                s += mask
-            s -= s.max(axis=-1, keepdims=True)  # stable: every exponent <= 0
-            np.exp(s, out=s)
-            s /= s.sum(axis=-1, keepdims=True)
-            return s @ vv
 
-        return textbook
+def causal_mask(L, S, dtype):
+    """Additive causal mask, bottom-right: row i sees keys j <= i + S - L
+    (= top-left when L == S)."""
+    return np.triu(np.full((L, S), -np.inf, dtype), k=S - L + 1)
+
+
+def textbook_attention(q, k, v, mask=None):
+    """softmax(q kᵀ/√E + mask) v as a NumPy user writes it: K/V heads repeated
+    per group (a copy each call), scores, max-subtracted exp, row sums."""
+    group = q.shape[-3] // k.shape[-3]
+    if group > 1:
+        k, v = np.repeat(k, group, axis=-3), np.repeat(v, group, axis=-3)
+    s = q @ k.swapaxes(-1, -2)
+    s *= q.dtype.type(1 / math.sqrt(q.shape[-1]))
+    if mask is not None:
+        s += mask
+    s -= s.max(axis=-1, keepdims=True)  # stable: every exponent <= 0
+    np.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+    return s @ v
 
 
 class Torch(Peer):

@@ -197,7 +197,7 @@ def test_block_reference_catches_a_wrong_attention():
     cache = problem._cache(problem.block)
 
     def new_keys_only(q, k, v, mask):
-        return _block.textbook_attention(q, k[:, :, -1:], v[:, :, -1:], None)
+        return _peers.textbook_attention(q, k[:, :, -1:], v[:, :, -1:])
 
     cache.truncate(shape.past)
     wrong = problem.block.forward(problem.x, cache, new_keys_only)
