@@ -108,9 +108,11 @@ static inline __attribute__((always_inline)) void FN(dot_values_n)(
         VT acc[FA_FEW][8];
         for (int r = 0; r < R; r++)
             for (int i = 0; i < G; i++) acc[r][i] = (VT){0};
+        const int64_t line = 64 / (int64_t)sizeof(T), e0 = (u0 * W + line - 1) / line * line;
         for (int64_t j = 0; j < nb; j++) {
             const T *vj = v + j * v_rs + u0 * W;
-            for (int64_t e = 0; e < g * W; e += 64 / (int64_t)sizeof(T)) __builtin_prefetch(vj + FA_BK * v_rs + e);
+            /* the next block's row, each cache line that starts in these G vectors once */
+            for (int64_t e = e0; e < (u0 + g) * W; e += line) __builtin_prefetch(v + (j + FA_BK) * v_rs + e);
             for (int i = 0; i < G; i++) {
                 if (i >= g) break;
                 const VT vv = u0 + i < full ? FN(v_loadu)(vj + i * W) : FN(v_load_part)(vj + i * W, (int)tail);
