@@ -229,18 +229,22 @@ class KVCache:
                 f"to fit this cache; got {tuple(a.shape)}")
         return a
 
-    def _check_counts(self, lengths, n):
-        if lengths is None:
-            return np.full(self.batch, n, np.int64)
+    def _per_entry(self, lengths):
+        """lengths as int64 (batch,): integers, broadcast to one per entry."""
         c = np.asarray(lengths)
         if c.dtype.kind not in "iu":
-            raise TypeError(f"lengths must be integers; got {c.dtype}")
+            raise TypeError(f"lengths must be integers; got dtype {c.dtype}")
         try:
-            c = np.broadcast_to(c, (self.batch,)).astype(np.int64)
+            return np.broadcast_to(c, (self.batch,)).astype(np.int64)
         except ValueError:
             raise ValueError(
                 f"lengths of shape {tuple(c.shape)} does not broadcast to the batch ({self.batch},)"
             ) from None
+
+    def _check_counts(self, lengths, n):
+        if lengths is None:
+            return np.full(self.batch, n, np.int64)
+        c = self._per_entry(lengths)
         if c.size and (c.min() < 0 or c.max() > n):
             raise ValueError(
                 f"lengths must lie in [0, n={n}] (the rows given); got values from "
@@ -296,14 +300,7 @@ class KVCache:
             If a length is negative or longer than what the entry holds (the
             message names the entry); the cache is then unchanged.
         """
-        try:
-            new = np.broadcast_to(np.asarray(lengths), (self.batch,))
-        except ValueError:
-            raise ValueError(
-                f"lengths must be broadcastable to (batch={self.batch},); got shape "
-                f"{np.shape(lengths)}") from None
-        if new.dtype.kind not in "iu":
-            raise TypeError(f"lengths must be integers; got dtype {new.dtype}")
+        new = self._per_entry(lengths)
         bad = np.flatnonzero((new < 0) | (new > self._lengths))
         if bad.size:
             b = int(bad[0])

@@ -149,7 +149,7 @@ def test_cache_truncate_rolls_back_to_an_earlier_state():
 @pytest.mark.parametrize("lengths, exc, match", [
     ([5, 7], ValueError, r"batch entry 1 holds 6 keys; cannot keep 7 .* the cache is unchanged"),
     (-1, ValueError, r"batch entry 0 holds 6 keys; cannot keep -1"),
-    ([1, 2, 3], ValueError, r"lengths must be broadcastable to \(batch=2,\); got shape \(3,\)"),
+    ([1, 2, 3], ValueError, r"lengths of shape \(3,\) does not broadcast to the batch \(2,\)"),
     (2.5, TypeError, r"lengths must be integers; got dtype float64"),
 ])
 def test_cache_truncate_rejects_and_changes_nothing(lengths, exc, match):
