@@ -18,15 +18,6 @@ static inline VT FN(v_load_part)(const T *x, int n) {
     return v;
 }
 
-/* Σ of the lanes, as a tree (W/2 + W/4 + … adds, log2 W deep). */
-static inline T FN(v_hsum)(VT x) {
-    T t[W];
-    memcpy(t, &x, sizeof t);
-    for (int w = W / 2; w > 0; w /= 2)
-        for (int u = 0; u < w; u++) t[u] += t[u + w];
-    return t[0];
-}
-
 /* max of the lanes; like v_max, a NaN lane never wins. */
 static inline T FN(v_hmax)(VT x) {
     T t[W];

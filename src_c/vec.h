@@ -62,6 +62,15 @@ static inline VT FN(v_loadu)(const T *x) {
     return v;
 }
 
+/* Σ of the lanes, as a tree (W/2 + W/4 + … adds, log2 W deep). */
+static inline T FN(v_hsum)(VT x) {
+    T t[W];
+    memcpy(t, &x, sizeof t);
+    for (int w = W / 2; w > 0; w /= 2)
+        for (int u = 0; u < w; u++) t[u] += t[u + w];
+    return t[0];
+}
+
 /* W in the preprocessor, for the shuffle index lists below. */
 #define FA_WPP (FA_VBYTES / (FA_MANT == 23 ? 4 : 8))
 
@@ -155,13 +164,7 @@ static inline void FN(v_transpose)(VT *x) {
 
 static inline VT FN(v_hsums)(VT *x) {
     VT y;
-    for (int i = 0; i < W; i++) {
-        T t[W];
-        memcpy(t, &x[i], sizeof t);
-        for (int w = W / 2; w > 0; w /= 2)
-            for (int u = 0; u < w; u++) t[u] += t[u + w];
-        y[i] = t[0];
-    }
+    for (int i = 0; i < W; i++) y[i] = FN(v_hsum)(x[i]);
     return y;
 }
 #endif
