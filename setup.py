@@ -22,7 +22,7 @@ SRC = "src_c"
 
 # Compiled with baseline flags on every architecture. kernels_vec128.c is
 # SSE2 on x86-64 and NEON on arm64: both are baseline there, so no flag.
-BASELINE_SOURCES = ["attention.c", "pool.c", "dispatch.c", "kernels_scalar.c", "kernels_vec128.c"]
+BASELINE_SOURCES = ["attention.c", "check.c", "plan.c", "pool.c", "dispatch.c", "kernels_scalar.c", "kernels_vec128.c"]
 
 # Per-ISA micro-kernels: (file, macro telling dispatch.c it exists, gcc/clang flags, MSVC flags).
 # setuptools has one flag list per extension, so these are compiled separately

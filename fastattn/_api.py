@@ -233,6 +233,46 @@ def attention(q, k, v, *, mask=None, causal=False, window=None, kv_lengths=None,
                                          out)
         if result is not None:
             return result
+    return _run(_prepare(q, k, v, mask=mask, causal=causal, window=window, kv_lengths=kv_lengths,
+                         scale=scale, out=out, return_lse=return_lse, num_threads=num_threads))
+
+
+def attention_with(q, k, v, strategy, **kwargs):
+    """``attention(q, k, v, **kwargs)`` with parts of the driver's strategy
+    forced (tests only): ``strategy`` is a dict of any of ``layout``
+    ("lanes" or "rows"), ``rows_per_item``, ``chunk_keys`` and ``threads``.
+    Forcing changes which work items run where, never a row's math."""
+    return _run(_prepare(q, k, v, **kwargs), strategy)
+
+
+def plan(q, k, v, strategy=None, **kwargs):
+    """What the driver decides for ``attention(q, k, v, **kwargs)`` (tests
+    only): one dict per kernel call (layout, rows_per_item, chunk_keys,
+    threads, row_blocks, key_chunks, items, serial, key_block). Runs nothing."""
+    p = _prepare(q, k, v, **kwargs)
+    return [_kernel.plan(c["q"], c["k"], c["v"], c["out"], c["lse"], c["mask"], *p.flags, c["lens"],
+                         *p.scale_threads, force=strategy) for c in p.calls]
+
+
+class _Prepared:
+    """A validated call: the kernel calls that cover it and their shared flags."""
+
+    def __init__(self, calls, flags, scale_threads, out, lse):
+        self.calls, self.flags, self.scale_threads, self.out, self.lse = calls, flags, scale_threads, out, lse
+
+
+def _run(p, force=None):
+    # Check every call before running any, so an error leaves out untouched.
+    for check_only in (True, False):
+        for c in p.calls:
+            _kernel.attention(c["q"], c["k"], c["v"], c["out"], c["lse"], c["mask"], *p.flags, c["lens"],
+                              *p.scale_threads, check_only, force)
+    return p.out if p.lse is None else (p.out, p.lse)
+
+
+def _prepare(q, k, v, *, mask=None, causal=False, window=None, kv_lengths=None, scale=None, out=None,
+             return_lse=False, num_threads=None):
+    """Every check of ``attention``'s arguments, then the 4-D views C reads."""
     q = _as_input(q, "q")
     k = _as_input(k, "k")
     v = _as_input(v, "v")
@@ -281,12 +321,7 @@ def attention(q, k, v, *, mask=None, causal=False, window=None, kv_lengths=None,
 
     q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
     calls = _calls(batch, q, k, v, out, lse, m, lens, Hq, L, S)
-    # Check every call before running any, so an error leaves out untouched.
-    for check_only in (True, False):
-        for c in calls:
-            _kernel.attention(c["q"], c["k"], c["v"], c["out"], c["lse"], c["mask"], causal_flag,
-                              align, wl, wr, c["lens"], s, nt, check_only)
-    return (out, lse) if return_lse else out
+    return _Prepared(calls, (causal_flag, align, wl, wr), (s, nt), out, lse)
 
 
 def _causal(causal):

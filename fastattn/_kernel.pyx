@@ -1,10 +1,13 @@
 # cython: language_level=3
 """Thin binding to the C kernel (src_c/fastattn.h).
 
-Takes arrays that fastattn._api has already validated and laid out as 4-D
-(batch, head, row, column) views, fills one fa_args, releases the GIL for the
-call and turns an error code into an exception whose sentence comes from C.
-No arithmetic and no validation of its own beyond what C checks.
+Two ways in. `attention` takes arrays that fastattn._api has already
+validated and laid out as 4-D (batch, head, row, column) views. `attention_fast`
+takes the common call (plain arrays, no mask) straight from the user and checks
+only what it needs to decide that the call is that simple, returning None
+otherwise, so the general path words every error. Both fill one fa_args,
+release the GIL for the call and turn an error code into an exception whose
+sentence comes from C. No arithmetic here.
 """
 cimport numpy as cnp
 from libc.math cimport sqrt
@@ -48,6 +51,18 @@ cdef extern from "fastattn.h" nogil:
 
 cdef extern from "internal.h" nogil:
     int fa_test_exp2(const char *isa, int dtype, const void *x, void *y, int64_t n)
+    ctypedef struct fa_strategy:
+        int layout
+        int64_t rows_per_item, chunk_keys
+        int threads
+        int64_t row_blocks, key_chunks, items
+        int serial
+        int64_t key_block
+    int FA_LAYOUT_AUTO, FA_LAYOUT_LANES, FA_LAYOUT_ROWS
+    int fa_attention_with(const fa_args *args, const fa_strategy *force)
+    int fa_plan_call(const fa_args *args, const fa_strategy *force, fa_strategy *decided)
+
+LAYOUTS = {"auto": 0, "lanes": 1, "rows": 2}
 
 ISAS = ("avx512", "avx2", "sse2", "neon", "scalar")
 
@@ -94,24 +109,65 @@ cdef _raise(int rc):
     raise ValueError(msg)
 
 
+cdef int _strategy(fa_strategy *s, object force) except -1:
+    # force: None or a dict with any of layout ("auto", "lanes", "rows"),
+    # rows_per_item, chunk_keys, threads (0 or absent: the driver decides)
+    s.layout, s.rows_per_item, s.chunk_keys, s.threads = 0, 0, 0, 0
+    s.row_blocks, s.key_chunks, s.items, s.serial, s.key_block = 0, 0, 0, 0, 0
+    if force is None:
+        return 0
+    unknown = set(force) - {"layout", "rows_per_item", "chunk_keys", "threads"}
+    if unknown:
+        raise ValueError(f"strategy: unknown fields {sorted(unknown)}")
+    s.layout = LAYOUTS[force.get("layout", "auto")]
+    s.rows_per_item = force.get("rows_per_item", 0)
+    s.chunk_keys = force.get("chunk_keys", 0)
+    s.threads = force.get("threads", 0)
+    return 0
+
+
 def attention(q, k, v, out, lse, mask, int causal, int align, int64_t wl, int64_t wr,
-              kv_len, double scale, int num_threads, bint check_only=False):
+              kv_len, double scale, int num_threads, bint check_only=False, force=None):
     """Runs (or, with check_only, only checks) one call on 4-D views.
 
     q (B, Hq, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev), out (B, Hq, L, Ev),
     lse (B, Hq, L) or None, mask (B, Hq, L, S) bool-as-uint8 or q's dtype, or
     None; kv_len int64 (B,) or None. Last axes contiguous, data aligned.
+    force: a strategy to impose (see _strategy; tests only), or None.
     """
     cdef fa_args a
+    cdef fa_strategy s
     cdef int rc
     _fill(&a, q, k, v, out, lse, mask, causal, align, wl, wr, kv_len, scale, num_threads)
+    _strategy(&s, force)
     if check_only:
         rc = fa_check(&a)
-    else:
+    elif force is None:
         with nogil:
             rc = fa_attention(&a)
+    else:
+        with nogil:
+            rc = fa_attention_with(&a, &s)
     if rc:
         _raise(rc)
+
+
+def plan(q, k, v, out, lse, mask, int causal, int align, int64_t wl, int64_t wr,
+         kv_len, double scale, int num_threads, force=None):
+    """What the driver decides for this call (arguments as attention's):
+    a dict of layout, rows_per_item, chunk_keys, threads, row_blocks,
+    key_chunks, items and serial. Runs nothing."""
+    cdef fa_args a
+    cdef fa_strategy s, d
+    _fill(&a, q, k, v, out, lse, mask, causal, align, wl, wr, kv_len, scale, num_threads)
+    _strategy(&s, force)
+    rc = fa_plan_call(&a, &s, &d)
+    if rc:
+        _raise(rc)
+    names = {v: n for n, v in LAYOUTS.items()}
+    return {"layout": names[d.layout], "rows_per_item": d.rows_per_item, "chunk_keys": d.chunk_keys,
+            "threads": d.threads, "row_blocks": d.row_blocks, "key_chunks": d.key_chunks,
+            "items": d.items, "serial": bool(d.serial), "key_block": d.key_block}
 
 
 def isa():

@@ -47,6 +47,7 @@ enum fa_error {
     FA_ERR_THREADS,       /* num_threads is negative */
     FA_ERR_NOMEM,         /* scratch memory could not be allocated */
     FA_ERR_ISA,           /* unknown ISA name, or not supported by this CPU/build */
+    FA_ERR_STRATEGY,      /* a forced strategy (internal test hook) is out of range */
     FA_ERR_COUNT
 };
 

@@ -1,9 +1,10 @@
-/* internal.h — what the driver (attention.c), the CPU dispatch (dispatch.c)
- * and the per-ISA kernels (kernels_*.c) share. Not part of the public API.
+/* internal.h — what the driver (attention.c, plan.c), the CPU dispatch
+ * (dispatch.c) and the per-ISA kernels share. Not part of the public API.
  *
- * The contract: the driver validates the call, derives an fa_plan and hands
- * out work items (b, h, first query row); a kernel computes one item on one
- * thread, in its own scratch, and knows nothing of threads.
+ * The contract: the driver validates the call (check.c), plans it (plan.c:
+ * layout, rows per item, key chunks, threads) and hands out work items; a
+ * kernel computes one item on one thread, in its own scratch, and knows
+ * nothing of threads.
  */
 #ifndef FA_INTERNAL_H
 #define FA_INTERNAL_H
@@ -17,6 +18,15 @@
 
 /* Scratch buffers start on cache-line (and AVX-512 vector) boundaries. */
 #define FA_ALIGN 64
+
+/* One past the largest enum fa_dtype: the kernel table's length. */
+#define FA_DTYPE_END 3
+
+/* Rows a row-layout item holds at most (its per-row arrays live on the stack). */
+#define FA_ROWS_MAX 8
+
+/* Split-KV parts merged per row block at most (the merge keeps one weight each). */
+#define FA_CHUNKS_MAX 256
 
 /* Everything a kernel needs about one call, derived once by the driver. */
 typedef struct fa_plan {
@@ -35,6 +45,74 @@ typedef struct fa_item {
     void *partial;   /* NULL: write out and lse. Else a split-KV part: each row's
                         normalised output (Ev values), then its lse (rows values) */
 } fa_item;
+
+typedef void (*fa_item_fn)(const fa_plan *p, const fa_item *it, void *scratch);
+
+/* One (ISA, dtype) entry of the kernel table: the same sources
+ * (kernel_dtype.h) compiled for one ISA and one element type. */
+typedef struct fa_kernel {
+    int64_t lane_rows;        /* query rows a lane-layout item holds (its vector lanes) */
+    int64_t rows_auto;        /* the driver picks the row layout for at most this many rows */
+    int64_t key_block;        /* keys per block of the online softmax (FA_BK) */
+    size_t (*scratch_bytes)(int64_t E, int64_t Ev);   /* one thread's, either layout */
+    fa_item_fn lanes_item;    /* rows in vector lanes (kernel_lanes.h) */
+    fa_item_fn rows_item;     /* vectors along the head dim (kernel_rows.h), ≤ FA_ROWS_MAX rows */
+    void (*exp2)(const void *x, void *y, int64_t n);  /* the kernel's 2^x, for tests */
+} fa_kernel;
+
+/* One micro-kernel set: a name and its entries, indexed by enum fa_dtype
+ * (NULL where the set has no kernel for that dtype). */
+typedef struct fa_isa_table {
+    const char *name;
+    const fa_kernel *by_dtype[FA_DTYPE_END];
+} fa_isa_table;
+
+/* The compiled-in sets (dispatch.c lists which exist in this build). */
+extern const fa_isa_table fa_isa_scalar;
+extern const fa_isa_table fa_isa_vec128;
+#if defined(FA_HAVE_AVX2)
+extern const fa_isa_table fa_isa_avx2;
+#endif
+#if defined(FA_HAVE_AVX512)
+extern const fa_isa_table fa_isa_avx512;
+#endif
+
+/* The set in use (chosen once from the CPU, FASTATTN_ISA or fa_set_isa). */
+const fa_isa_table *fa_current_isa(void);
+
+/* Test hook: y = 2^x (n elements, dtype FA_F32/FA_F64) with the named set's
+ * vector exp2; FA_ERR_ISA when that set is not available here. */
+int fa_test_exp2(const char *isa, int dtype, const void *x, void *y, int64_t n);
+
+/* ---- Strategy: what the driver decides for a call, and a way to force it ---- */
+
+enum fa_layout { FA_LAYOUT_AUTO = 0, FA_LAYOUT_LANES = 1, FA_LAYOUT_ROWS = 2 };
+
+/* As a request (fa_attention_with): 0 is "the driver decides" for every
+ * field; the rest is forced. As an answer (fa_plan_call): every field filled. */
+typedef struct fa_strategy {
+    int layout;             /* enum fa_layout */
+    int64_t rows_per_item;  /* lanes: 1 … lane_rows; rows: 1 … FA_ROWS_MAX */
+    int64_t chunk_keys;     /* keys per split-KV chunk (one chunk: no split) */
+    int threads;            /* threads that take items (1: the calling thread alone) */
+    /* answers only */
+    int64_t row_blocks;     /* items before splitting the keys */
+    int64_t key_chunks;     /* chunks per row block */
+    int64_t items;          /* row_blocks · key_chunks */
+    int64_t key_block;      /* keys per block in the kernel (block sums and skipping) */
+    int serial;             /* the call is too small to wake a worker */
+} fa_strategy;
+
+/* fa_attention with parts of the strategy forced (NULL: none). Forcing
+ * changes which items run where, never the math: results stay within the
+ * reference's tolerance, and are bitwise the same for any forced thread count. */
+int fa_attention_with(const fa_args *args, const fa_strategy *force);
+
+/* What fa_attention_with(args, force) would do, without running it. The
+ * same code as fa_check, or FA_ERR_STRATEGY for a forced value out of range. */
+int fa_plan_call(const fa_args *args, const fa_strategy *force, fa_strategy *decided);
+
+/* ---- Visibility and addressing, shared by both layouts ---- */
 
 /* Rows [lo, hi] of keys visible to query row i of batch entry b from the
  * structural restrictions (kv_len, causal, window); the mask comes on top.
@@ -102,37 +180,5 @@ static inline int64_t fa_out_offset(const fa_plan *p, const fa_item *it, int64_t
     *lse_off = it->b * a->lse_stride[0] + h * a->lse_stride[1] + i * a->lse_stride[2];
     return it->b * a->out_stride[0] + h * a->out_stride[1] + i * a->out_stride[2];
 }
-
-/* One micro-kernel set: the same source (kernel_item.h) compiled for one ISA. */
-typedef struct fa_kernel {
-    const char *name;
-    int64_t rows_f32, rows_f64;                 /* query rows per work item (lanes) */
-    int64_t few_f32, few_f64;                   /* items of at most this many rows: row layout */
-    size_t (*scratch_f32)(int64_t E, int64_t Ev);
-    size_t (*scratch_f64)(int64_t E, int64_t Ev);
-    void (*item_f32)(const fa_plan *p, const fa_item *it, void *scratch);
-    void (*item_f64)(const fa_plan *p, const fa_item *it, void *scratch);
-    void (*rows_item_f32)(const fa_plan *p, const fa_item *it, void *scratch);
-    void (*rows_item_f64)(const fa_plan *p, const fa_item *it, void *scratch);
-    void (*exp2_f32)(const float *x, float *y, int64_t n);   /* the kernel's 2^x, for tests */
-    void (*exp2_f64)(const double *x, double *y, int64_t n);
-} fa_kernel;
-
-/* The compiled-in sets (dispatch.c lists which exist in this build). */
-extern const fa_kernel fa_kernel_scalar;
-extern const fa_kernel fa_kernel_vec128;
-#if defined(FA_HAVE_AVX2)
-extern const fa_kernel fa_kernel_avx2;
-#endif
-#if defined(FA_HAVE_AVX512)
-extern const fa_kernel fa_kernel_avx512;
-#endif
-
-/* The set in use (chosen once from the CPU, FASTATTN_ISA or fa_set_isa). */
-const fa_kernel *fa_current_kernel(void);
-
-/* Test hook: y = 2^x (n elements, dtype FA_F32/FA_F64) with the named set's
- * vector exp2; FA_ERR_ISA when that set is not available here. */
-int fa_test_exp2(const char *isa, int dtype, const void *x, void *y, int64_t n);
 
 #endif /* FA_INTERNAL_H */

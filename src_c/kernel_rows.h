@@ -1,6 +1,6 @@
-/* kernel_rows.h — items of a few query rows (decoding: one new row per head,
- * or the g heads of one grouped-query group), in row layout. Included by
- * kernel_item.h, whose vocabulary and masks it shares.
+/* kernel_rows.h — the row layout: items of a few query rows (decoding: one
+ * new row per head, or the g heads of one grouped-query group). Included by
+ * kernel_dtype.h, whose vocabulary, masks and finishing step it shares.
  *
  * With few rows the lane layout wastes its lanes: one row in a 16-lane vector
  * is one useful multiply-add per K element, and decoding must stream K and V
@@ -9,7 +9,7 @@
  * P·V adds p·(V row) into each output row. Every K and V vector is loaded
  * once and used by all the item's rows.
  */
-#define FA_FEW 8   /* rows at most (the table's few_rows, W/2, is never more) */
+#define FA_FEW FA_ROWS_MAX   /* rows at most: the per-row arrays below */
 
 /* The first n < W elements of x, the rest 0 (never reads past x[n-1]). */
 static inline VT FN(v_load_part)(const T *x, int n) {
@@ -27,26 +27,20 @@ static inline T FN(v_hmax)(VT x) {
     return t[0];
 }
 
+/* Scratch of one thread: q rows (FA_FEW × E, padded to whole vectors), o rows
+ * (FA_FEW × Ev), scores (FA_FEW × FA_BK). */
 static size_t FN(rows_scratch_bytes)(int64_t E, int64_t Ev) {
     const size_t nE = (size_t)((E + W - 1) / W), nEv = (size_t)((Ev + W - 1) / W);
     return FN(round_up)(FA_FEW * nE * sizeof(VT)) + FN(round_up)(FA_FEW * nEv * sizeof(VT)) +
            FN(round_up)(FA_FEW * FA_BK * sizeof(T));
 }
 
-static size_t FN(scratch_bytes)(int64_t E, int64_t Ev) {
-    size_t lanes = FN(lanes_scratch_bytes)(E, Ev), few = FN(rows_scratch_bytes)(E, Ev);
-    return lanes > few ? lanes : few;
-}
-
 /* s[r][j] = q_r · K_j for the nb keys of a block, R rows (a constant here).
  * Each dot product ends as one vector of partial sums; W keys' vectors are
  * summed together by v_hsums (one transpose-and-add tree per W scores, not a
- * tree per score: a call of 1×8/2×1×545×32, 4 rows of E = 32, went from 20
- * to 10 µs, and 8 rows of E = 128 (1×8/1×1×32768×128) from 1.87 to 1.29 ms
- * on one thread). Lanes past nb are written too (st rows hold FA_BK, a multiple of W);
- * rows_softmax overwrites them with −inf. A single row keeps one tree per
- * score: streaming K from memory (1×32×1×4096×128, one thread) that ran
- * ~10 % faster than the grouped trees, while 4 rows ran 18 % slower with it. */
+ * tree per score). Lanes past nb are written too (st rows hold FA_BK, a
+ * multiple of W); rows_softmax overwrites them with −inf. A single row keeps
+ * one tree per score: it streams K faster that way (docs/tuning.md). */
 _Static_assert(FA_BK % W == 0, "rows of st hold whole vectors of scores");
 
 static inline __attribute__((always_inline)) void FN(dot_scores_n)(
@@ -89,10 +83,9 @@ static inline __attribute__((always_inline)) void FN(dot_values_n)(
     const T *alpha, int first) {
     const int64_t full = Ev / W, tail = Ev % W;
     /* G vectors of the head dim at a time, G·R accumulators in registers.
-     * One row reads V rows whole and in order (G = 8: 1×32×1×4096×128
-     * streamed 12 % faster on one thread than one cache line of 64 rows at a
-     * time); with 4 rows the same (G = 2) was 14–20 % slower, so more rows
-     * keep G = 1. Each sum still runs over j in order: the same bits. */
+     * One row reads V rows whole and in order (G = 8); more rows keep G = 1,
+     * which measured faster for them (docs/tuning.md). Each sum still runs
+     * over j in order: the same bits for any G. */
     const int G = R == 1 ? 8 : 1;
     for (int64_t u0 = 0; u0 < nEv; u0 += G) {
         const int g = nEv - u0 < G ? (int)(nEv - u0) : G;
@@ -167,7 +160,7 @@ static void FN(rows_item)(const fa_plan *p, const fa_item *it, void *scratch) {
     int64_t lo[FA_FEW], hi[FA_FEW], q_row[FA_FEW], m_row[FA_FEW];
     const fa_rows f = fa_item_rows(p, it, lo, hi, q_row, m_row);
 
-    /* q · scale·log2 e, each row padded with zeros to whole vectors. */
+    /* Packing: q · scale·log2 e, each row padded with zeros to whole vectors. */
     const T c = (T)p->scale_log2e;
     for (int64_t r = 0; r < rows; r++) {
         T *dst = (T *)(qs + r * nE);
@@ -182,28 +175,29 @@ static void FN(rows_item)(const fa_plan *p, const fa_item *it, void *scratch) {
     if (f.j_begin >= f.j_end)
         for (int64_t u = 0; u < rows * nEv; u++) os[u] = (VT){0};
 
+    /* The block loop, as in the lane layout. */
     for (int64_t j0 = f.j_begin; j0 < f.j_end; j0 += FA_BK) {
         const int64_t nb = f.j_end - j0 < FA_BK ? f.j_end - j0 : FA_BK;
 #define FA_CALL(R) FN(dot_scores_n)(R, st, qs, nE, k + j0 * k_rs, k_rs, E, nb)
         FA_BY_ROWS(rows, FA_CALL)
 #undef FA_CALL
-        if (a->mask_kind != FA_MASK_NONE) FN(mask_elements)(st, FA_BK, 1, a, m_row, rows, j0, nb);
-        if (f.lo_max > j0 || f.hi_min < j0 + nb - 1) FN(mask_ranges)(st, FA_BK, 1, j0, nb, rows, lo, hi);
+        FN(mask_block)(st, FA_BK, 1, a, &f, lo, hi, m_row, rows, j0, nb);
         FN(rows_softmax)(st, rows, nb, m, l, alpha);
 #define FA_CALL(R) FN(dot_values_n)(R, os, nEv, st, v + j0 * v_rs, v_rs, Ev, nb, alpha, j0 == f.j_begin)
         FA_BY_ROWS(rows, FA_CALL)
 #undef FA_CALL
     }
 
-    /* out = o / l (0 for a row with no visible key); lse = m·ln 2 + ln l. */
-    T *out = it->partial ? (T *)it->partial : (T *)a->out, *lse = it->partial ? (T *)it->partial : (T *)a->lse;
+    /* The store: out = o · (1/l), and lse (the shared finishing step). */
+    T *out = FN(item_out)(it, a), *lse = FN(item_lse)(it, a);
     for (int64_t r = 0; r < rows; r++) {
         int64_t lse_off, o_off = fa_out_offset(p, it, r, &lse_off);
-        const T inv = l[r] == 0 ? 0 : 1 / l[r];
+        const T inv = FN(finish_inv_l)(l[r]);
         const T *o_r = (const T *)(os + r * nEv);
         for (int64_t e = 0; e < Ev; e++) out[o_off + e] = o_r[e] * inv;
-        if (lse) lse[lse_off] = l[r] == 0 ? -(T)INFINITY : m[r] * (T)0.69314718055994530942 + FN(log_t)(l[r]);
+        if (lse) lse[lse_off] = FN(finish_lse)(m[r], l[r]);
     }
 }
 
 #undef FA_FEW
+#undef FA_BY_ROWS

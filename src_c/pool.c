@@ -11,7 +11,6 @@
  */
 #include "pool.h"
 
-#ifdef FA_HAVE_POOL
 #include <pthread.h>
 #include <stdint.h>
 #include <time.h>
@@ -137,4 +136,3 @@ int fa_pool_run(int threads, fa_pool_task task, void *ctx) {
     pthread_mutex_unlock(&fa_busy);
     return 1 + joined;
 }
-#endif /* FA_HAVE_POOL */

@@ -12,9 +12,6 @@
 #ifndef FA_POOL_H
 #define FA_POOL_H
 
-#if !defined(_WIN32)
-#define FA_HAVE_POOL 1
-
 /* One thread's share of a job: called on the calling thread and on each
  * worker that joins in time; it takes work items until none are left. */
 typedef void (*fa_pool_task)(void *ctx);
@@ -26,6 +23,5 @@ typedef void (*fa_pool_task)(void *ctx);
  * if no worker can be created, task runs on the calling thread alone.
  * Returns the number of threads that ran task. */
 int fa_pool_run(int threads, fa_pool_task task, void *ctx);
-#endif
 
 #endif /* FA_POOL_H */

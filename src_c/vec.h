@@ -2,7 +2,7 @@
  *
  * GCC/clang vector extensions: one source that the compiler maps onto the
  * ISA flags of the file including it (one lane for scalar, SSE2/NEON, AVX2+FMA,
- * AVX-512). Included once per element type by kernel_item.h, which defines:
+ * AVX-512). Included once per element type by kernel_dtype.h; kernel_isa.h defines:
  *   FA_T       float or double          FA_SFX   _f32 or _f64 (name suffix)
  *   FA_TU      same-width unsigned int  FA_MANT  mantissa bits (23 or 52)
  *   FA_VBYTES  vector width in bytes
@@ -38,8 +38,8 @@ static inline VT FN(v_select)(VU m, VT a, VT b) {
  * row sum, so it still propagates to the output, but never poisons the
  * running maximum of the other lanes' rows. That is x86's MAXPS(b, a)
  * (b > a ? b : a) and arm64's FMAXNM; one instruction where the width
- * matches, where the portable blend took three (and sat on the softmax's
- * critical path: the max over a key block was ~10 % of a prefill). */
+ * matches, where the portable blend took three on the softmax's critical
+ * path (docs/tuning.md). */
 static inline VT FN(v_max)(VT a, VT b) {
 #if FA_VBYTES == 64 && defined(__AVX512F__)
     return FA_MANT == 23 ? (VT)_mm512_max_ps((__m512)b, (__m512)a) : (VT)_mm512_max_pd((__m512d)b, (__m512d)a);

@@ -7,7 +7,7 @@
  *          (ln2/2)^(deg+1)/(deg+1)!: 5e-9 (degree 7, float), 4e-18 (degree
  *          13, double), well under half an ulp;
  *   2^n:   n added to the exponent field of 2^f (AVX-512: VRNDSCALE for
- *          round, VSCALEF for 2^n, same bits; 2–5 % off a whole prefill).
+ *          round, VSCALEF for 2^n: fewer instructions, the same bits).
  * x below −125 (float) / −1021 (double) returns 0: the true value is under
  * 2^−125 there, invisible next to the row maximum's 1. −inf gives exactly 0,
  * NaN stays NaN. Measured maximum error over [−125, 0] / [−1021, 0]

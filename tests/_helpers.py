@@ -24,3 +24,14 @@ def tolerance(q, k, v, **kw):
     f32 = fastattn.reference.attention(q, k, v, dtype=np.float32, **kw)
     textbook = float(np.max(np.abs(f32 - ref))) if ref.size else 0.0
     return max(2 * textbook, 16 * 2.0**-24 * vmax)
+
+
+def planned(q, k, v, strategy=None, **kw):
+    """What the driver decides for ``fastattn.attention(q, k, v, **kw)``: the
+    plan of its one kernel call (layout, rows_per_item, chunk_keys, threads,
+    row_blocks, key_chunks, items, serial, key_block). Tests ask this instead
+    of copying the driver's constants."""
+    from fastattn import _api
+    plans = _api.plan(q, k, v, strategy, **kw)
+    assert len(plans) == 1, f"{len(plans)} kernel calls"
+    return plans[0]

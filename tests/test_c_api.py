@@ -12,7 +12,7 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SRC = REPO / "src_c"
-CORE = ["attention.c", "pool.c", "dispatch.c", "kernels_scalar.c", "kernels_vec128.c"]
+CORE = ["attention.c", "check.c", "plan.c", "pool.c", "dispatch.c", "kernels_scalar.c", "kernels_vec128.c"]
 # Per-ISA sources: compiled alone, each with its own flags (never -march=native).
 AVX = [
     ("kernels_avx2.c", ["-mavx2", "-mfma"]),

@@ -13,14 +13,9 @@ import pytest
 
 import fastattn
 from fastattn import reference
-from _helpers import randn, tolerance
+from _helpers import planned, randn, tolerance
 
 f32, f64 = np.float32, np.float64
-
-# Below this many multiply-adds (B·Hq·L·S·(E+Ev)) the kernel runs on the
-# calling thread (FA_SERIAL_WORK in src_c/attention.c); the shapes that test
-# threads stay well above it.
-SERIAL_WORK = 1 << 20
 
 
 def _rng(*key):
@@ -71,8 +66,8 @@ def _case_inputs(name):
 @pytest.mark.parametrize("name", THREAD_CASES)
 def test_thread_count_does_not_change_bits(isa, name):
     q, k, v, kw = _case_inputs(name)
-    B, Hq, L, E = q.shape
-    assert B * Hq * L * k.shape[-2] * (E + v.shape[-1]) > 4 * SERIAL_WORK
+    p = planned(q, k, v, num_threads=8, **kw)
+    assert not p["serial"] and p["threads"] > 1, p  # the call really uses the workers
     base, base_lse = fastattn.attention(q, k, v, num_threads=1, return_lse=True, **kw)
     assert np.isfinite(base).all()
     for n in (2, 3, 8, None):
@@ -280,8 +275,8 @@ def test_python_threads_calling_at_once():
     problems.append(((q, k, v), {}))
     q, k, v = _qkv(rng, 2, 4, 2, 100, 160, 32, 48, f64)
     problems.append(((q, k, v), dict(causal=True, mask=rng.random((100, 160)) < 0.9)))
-    for (q, k, v), _ in problems:
-        assert q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * (q.shape[3] + v.shape[3]) > SERIAL_WORK
+    for args, kw in problems:
+        assert not planned(*args, **kw)["serial"]
     expected = [fastattn.attention(*args, **kw) for args, kw in problems]
 
     n_threads, calls = 8, 50

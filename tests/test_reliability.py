@@ -20,21 +20,9 @@ import pytest
 import fastattn
 from fastattn import _api, reference
 
-from _helpers import tolerance
+from _helpers import planned, tolerance
 
 f32, f64 = np.float32, np.float64
-
-# Where src_c/attention.c changes strategy: below FA_SERIAL_WORK multiply-adds
-# (B·Hq·L·S_seen·(E+Ev), S_seen the keys some entry can see) a call runs on the
-# calling thread; an item holds rows_f32/rows_f64 query rows (lane layout), or
-# all g·L rows of a key/value head when g·L <= few (row layout); keys come in
-# blocks of 64; below FA_SPLIT_ITEMS row blocks and from 2·FA_SPLIT_MIN_KEYS
-# keys seen, the keys are split into chunks merged by log-sum-exp.
-SERIAL_WORK = 1 << 20
-KEY_BLOCK = 64
-SPLIT_ITEMS, SPLIT_MIN_KEYS = 32, 512
-ROWS_PER_ITEM = {"avx512": (64, 32), "avx2": (16, 8), "sse2": (8, 4), "neon": (8, 4), "scalar": (4, 4)}
-FEW_ROWS = {"avx512": (8, 4), "avx2": (4, 2), "sse2": (2, 1), "neon": (2, 1), "scalar": (0, 0)}
 UNDER_ASAN = "libasan" in os.environ.get("LD_PRELOAD", "")
 
 
@@ -179,7 +167,7 @@ def test_fork_child_after_parallel_call_finishes(record_property):
     starts afresh there (GCC's OpenMP runtime waited forever for the
     parent's threads). The child's 2-thread calls finish with the same bits."""
     q, k, v = _big()
-    assert 2 * 4 * 300 * 300 * 128 > 16 * SERIAL_WORK  # the call uses the workers
+    assert planned(q, k, v, num_threads=2)["threads"] == 2  # the call uses the workers
     expected = fastattn.attention(q, k, v, num_threads=2)
     ctx = multiprocessing.get_context("fork")
     with warnings.catch_warnings():  # Python >= 3.12 warns about fork in a threaded process
@@ -258,30 +246,76 @@ def test_absurd_thread_counts_are_capped_not_fatal(tmp_path):
     assert r.returncode == 0 and r.stdout.endswith("ok\n"), r.stdout + r.stderr
 
 
-def _threshold_shapes(isa, dtype):
+def _plan(B, Hq, Hkv, L, S, dtype, kv_lengths=None, E=64, Ev=64):
+    """The driver's plan for zero inputs of that shape (no data is read)."""
+    q = np.zeros((B, Hq, L, E), dtype)
+    k, v = np.zeros((B, Hkv, S, E), dtype), np.zeros((B, Hkv, S, Ev), dtype)
+    kw = {} if kv_lengths is None else dict(kv_lengths=np.array(kv_lengths))
+    return planned(q, k, v, num_threads=8, **kw)
+
+
+def _first(lo, hi, holds):
+    """The smallest n in [lo, hi] where holds(n) becomes true (monotone), by bisection."""
+    assert not holds(lo) and holds(hi), (lo, hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if holds(mid) else (mid, hi)
+    return hi
+
+
+def _thresholds(dtype):
+    """Where the driver changes strategy for the ISA in use, asked of the
+    driver itself (fastattn._api.plan) rather than copied from src_c/plan.c:
+    rows per lane-layout item, the most rows a row-layout item gets without
+    forcing, keys per block, the work below which a call stays on the calling
+    thread, and the keys seen and row blocks at which the keys are split."""
+    lanes = _plan(1, 1, 1, 4096, 64, dtype)
+    rows_auto = max([L for L in range(1, 17) if _plan(1, 1, 1, L, 64, dtype)["layout"] == "rows"],
+                    default=0)
+    serial_S = _first(1, 1 << 16, lambda S: not _plan(1, 4, 4, 64, S, dtype, E=8, Ev=8)["serial"])
+    split_S = _first(64, 1 << 16, lambda S: _plan(2, 8, 8, 1, S, dtype)["key_chunks"] > 1)
+    split_H = _first(1, 4096, lambda H: _plan(1, H, H, 1, split_S, dtype)["key_chunks"] == 1)
+    return dict(bq=lanes["rows_per_item"], rows_auto=rows_auto, key_block=lanes["key_block"],
+                serial_S=serial_S, split_S=split_S, split_H=split_H)
+
+
+def _threshold_shapes(dtype):
     """(B, Hq, Hkv, L, S, E, Ev, kv_lengths) just below, at and past every size
-    where the kernel changes strategy, for this ISA and dtype."""
-    i = 0 if dtype == f32 else 1
-    bq, few = ROWS_PER_ITEM[isa][i], FEW_ROWS[isa][i]
+    where the kernel changes strategy, for the ISA in use and dtype."""
+    t = _thresholds(dtype)
+    bq, few, kb, split = t["bq"], t["rows_auto"], t["key_block"], t["split_S"]
     shapes = [
-        (1, 4, 4, 64, 255, 8, 8, None),    # 4·64·255·16 < 2^20: the calling thread
-        (1, 4, 4, 64, 256, 8, 8, None),    # = 2^20: the workers
+        (1, 4, 4, 64, t["serial_S"] - 1, 8, 8, None),   # the calling thread
+        (1, 4, 4, 64, t["serial_S"], 8, 8, None),       # the workers
     ]
     for L in sorted({max(bq - 1, 1), bq, bq + 1, 2 * bq + 1}):      # query items; below bq,
         shapes.append((2, 8, 2, L, 520, 64, 64, None))                # items span a GQA group
-    for S in (KEY_BLOCK - 1, KEY_BLOCK, KEY_BLOCK + 1, 2 * KEY_BLOCK - 1, 2 * KEY_BLOCK + 1):
-        shapes.append((2, 8, 2, bq + 1, S, 64, 64, None))           # key blocks
+    for S in (kb - 1, kb, kb + 1, 2 * kb - 1, 2 * kb + 1):          # key blocks
+        shapes.append((2, 8, 2, bq + 1, S, 64, 64, None))
     for L in sorted({max(few, 1), few + 1}):                        # row layout or lanes
         shapes.append((2, 8, 8, L, 600, 64, 64, None))
         shapes.append((2, 8, 2, L, 600, 64, 64, None))              # g·L with g = 4
-    split = 2 * SPLIT_MIN_KEYS
     for S in (split - 1, split, split + 1, 3 * split + 1):          # split-KV: keys
         shapes.append((2, 8, 8, 1, S, 64, 64, None))
-    for H in (SPLIT_ITEMS - 1, SPLIT_ITEMS):                        # split-KV: row blocks
+    for H in (t["split_H"] - 1, t["split_H"]):                      # split-KV: row blocks
         shapes.append((1, H, H, 1, split, 64, 64, None))
     for longest in (split - 1, split):                              # split-KV: keys seen
         shapes.append((2, 8, 8, 1, split + 100, 64, 64, (700, longest)))
     return shapes
+
+
+def test_thresholds_are_where_the_plan_changes():
+    """The shapes above really straddle each threshold: the plan differs on
+    the two sides (so a changed constant in src_c/plan.c moves the test with it)."""
+    for dtype in (f32, f64):
+        t = _thresholds(dtype)
+        assert _plan(1, 4, 4, 64, t["serial_S"] - 1, dtype, E=8, Ev=8)["serial"]
+        assert _plan(2, 8, 8, 1, t["split_S"] - 1, dtype)["key_chunks"] == 1
+        assert _plan(1, t["split_H"] - 1, t["split_H"] - 1, 1, t["split_S"], dtype)["key_chunks"] > 1
+        assert _plan(2, 8, 8, 1, t["split_S"] + 100, dtype, kv_lengths=(700, t["split_S"] - 1))["key_chunks"] == 1
+        assert _plan(2, 8, 8, 1, t["split_S"] + 100, dtype, kv_lengths=(700, t["split_S"]))["key_chunks"] > 1
+        if t["rows_auto"]:
+            assert _plan(1, 1, 1, t["rows_auto"] + 1, 64, dtype)["layout"] == "lanes"
 
 
 @functools.lru_cache(maxsize=None)
@@ -302,13 +336,12 @@ def test_bitwise_at_every_strategy_threshold(isa, dtype, kw, record_property):
     """num_threads 1, 2, 3, 8, 64 give the same bits at every threshold size,
     and each result is within tolerance of the reference."""
     serial_seen = team_seen = False
-    shapes = _threshold_shapes(isa, dtype)
+    shapes = _threshold_shapes(dtype)
     for shape in shapes:
         q, k, v, call, ref, tol = _threshold_case(shape, dtype, kw.get("causal", False))
-        B, Hq, Hkv, L, S, E, Ev, lens = shape
-        work = B * Hq * L * (S if lens is None else max(lens)) * (E + Ev)
-        serial_seen |= work < SERIAL_WORK
-        team_seen |= work >= SERIAL_WORK
+        serial = planned(q, k, v, num_threads=8, **call)["serial"]
+        serial_seen |= serial
+        team_seen |= not serial
         base, base_lse = fastattn.attention(q, k, v, num_threads=1, return_lse=True, **call)
         for n in (2, 3, 8, 64):
             got, lse = fastattn.attention(q, k, v, num_threads=n, return_lse=True, **call)

@@ -1,7 +1,8 @@
-/* kernel_item.h — one work item of attention on one thread: the FlashAttention-2
- * loop over key blocks with an online softmax, for BQ query rows of one
- * (batch, head). Included by kernel_isa.h once per element type; vec.h gives
- * the vector vocabulary, kernels_<isa>.c the tile sizes:
+/* kernel_lanes.h — the lane layout: one work item of attention on one thread,
+ * the FlashAttention-2 loop over key blocks with an online softmax, for up to
+ * BQ query rows of one (batch, key/value head). Included by kernel_dtype.h
+ * once per element type; vec.h gives the vector vocabulary, kernels_<isa>.c
+ * the tile sizes:
  *   FA_NV  vectors of query rows per item (BQ = FA_NV · W rows)
  *   FA_MR  rows of a register tile          FA_BK  keys per block
  *
@@ -12,14 +13,8 @@
  * Oᵀ (Ev × BQ) are lane-wise too, so the row max, row sum and rescaling need
  * no horizontal reduction at all.
  */
-#include "vec.h"
-
 #define BQ (FA_NV * W)
 #define TILE FN(tile)
-
-static inline size_t FN(round_up)(size_t n) {
-    return (n + FA_ALIGN - 1) / FA_ALIGN * FA_ALIGN;
-}
 
 /* Scratch of one thread: qt (E × BQ), st (FA_BK × BQ), ot (Ev × BQ), m, l, alpha. */
 static size_t FN(lanes_scratch_bytes)(int64_t E, int64_t Ev) {
@@ -36,8 +31,7 @@ static size_t FN(lanes_scratch_bytes)(int64_t E, int64_t Ev) {
  * registers. MRC and NVC are constants wherever this is inlined.
  * The sum starts from 0 and meets c once at the end: O over S keys is then a
  * blocked sum (K terms per block, S/K blocks), whose float32 error grows like
- * (K + S/K)·u, not S·u as one running sum does (values with a common offset:
- * 14× the error of NumPy at S = 65536). */
+ * (K + S/K)·u, not S·u as one running sum does. */
 static inline __attribute__((always_inline)) void TILE(
     const int MRC, const int NVC, VT *restrict c, const T *restrict a, const int64_t a_rs,
     const int64_t a_ks, const VT *restrict b, const int64_t K, const VT *restrict c_scale) {
@@ -100,18 +94,17 @@ static inline __attribute__((always_inline)) void FN(prefetch_next)(
 
 /* Rows of a P·V tile for NVC vectors of lanes: with half the vectors or
  * fewer (short items: decoding with grouped heads, L < BQ), twice the rows,
- * so the tile keeps as many independent accumulators in flight: 16 rows of
- * E = 64 against 2048 keys 0.49 → 0.41 ms, 1×32/8×4×4096×128 2.3 → 2.0 ms
- * (one thread). The score tile stays FA_MR keys tall: taller, it asks for
- * the next block's K and V in bursts, and streaming decode got slower. */
+ * so the tile keeps as many independent accumulators in flight. The score
+ * tile stays FA_MR keys tall: taller, it asks for the next block's K and V in
+ * bursts (measurements: docs/tuning.md). */
 #define FA_TALL(NVC) (2 * (NVC) <= FA_NV ? 2 * FA_MR : FA_MR)
 
 /* Sᵀ[j][·] = Σ_e K[j][e] · Qᵀ[e][·] for the nb keys of a block.
  * An item of one vector of rows (a few grouped heads decoding, short L) does
  * so little work per K/V byte that it streams K and V from memory; it asks
  * for the next block's rows a tile at a time, spread over this block's work
- * (all at once was slower). 1×32/8×4×4096×128, one thread: 4.4 → 2.4 ms.
- * Taller items reuse each block from cache and skip this. */
+ * (all at once was slower: docs/tuning.md). Taller items reuse each block
+ * from cache and skip this. */
 static inline __attribute__((always_inline)) void FN(scores_tile_n)(
     const int NVC, VT *st, const T *k, int64_t k_rs, const VT *qt, int64_t E, int64_t nb,
     const T *v, int64_t v_rs, int64_t Ev) {
@@ -198,61 +191,34 @@ static void FN(softmax_block)(int nvc, VT *st, int64_t nb, VT *m, VT *l, VT *alp
     }
 }
 
-/* Structural visibility on a boundary block: key j0+j is visible to row r iff
- * lo[r] ≤ j0+j ≤ hi[r]. */
-static void FN(mask_ranges)(T *st, int64_t rs, int64_t js, int64_t j0, int64_t nb, int64_t rows,
-                            const int64_t *lo, const int64_t *hi) {
-    for (int64_t j = 0; j < nb; j++)
-        for (int64_t r = 0; r < rows; r++)
-            if (j0 + j < lo[r] || j0 + j > hi[r]) st[r * rs + j * js] = -(T)INFINITY;
-}
 
-/* The caller's mask on one block: bool (0 hides) or additive (· log2 e, since
- * scores are base 2). m_row[r] is row r's element offset, j0 the first key.
- * Score (r, j) of the block is st[r·rs + j·js] (both layouts use these). */
-static void FN(mask_elements)(T *st, int64_t rs, int64_t js, const fa_args *a, const int64_t *m_row,
-                              int64_t rows, int64_t j0, int64_t nb) {
-    const int64_t m_cs = a->mask_stride[3];
-    if (a->mask_kind == FA_MASK_BOOL) {
-        const uint8_t *mk = (const uint8_t *)a->mask + j0 * m_cs;
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t j = 0; j < nb; j++)
-                if (!mk[m_row[r] + j * m_cs]) st[r * rs + j * js] = -(T)INFINITY;
-    } else {
-        const T *mk = (const T *)a->mask + j0 * m_cs;
-        const T log2e = (T)1.4426950408889634074;
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t j = 0; j < nb; j++) st[r * rs + j * js] += mk[m_row[r] + j * m_cs] * log2e;
-    }
-}
+/* One thread's lane-layout scratch, carved from the buffer the driver gives. */
+typedef struct FN(lanes_bufs) {
+    VT *qt, *st, *ot, *m, *l, *alpha;
+} FN(lanes_bufs);
 
-static void FN(item)(const fa_plan *p, const fa_item *it, void *scratch) {
-    const fa_args *a = p->a;
-    const int64_t E = a->E, Ev = a->Ev, b = it->b, hk = it->hk, rows = it->rows;
-    const T *k = (const T *)a->k + b * a->k_stride[0] + hk * a->k_stride[1];
-    const T *v = (const T *)a->v + b * a->v_stride[0] + hk * a->v_stride[1];
-    const int64_t k_rs = a->k_stride[2], v_rs = a->v_stride[2];
-
-    char *s = (char *)scratch;
+static FN(lanes_bufs) FN(lanes_carve)(void *scratch, int64_t E, int64_t Ev) {
+    FN(lanes_bufs) s;
+    char *p = (char *)scratch;
     const size_t lane_row = (size_t)BQ * sizeof(T);
-    VT *qt = (VT *)s;      s += FN(round_up)((size_t)E * lane_row);
-    VT *st = (VT *)s;      s += FN(round_up)((size_t)FA_BK * lane_row);
-    VT *ot = (VT *)s;      s += FN(round_up)((size_t)Ev * lane_row);
-    VT *m = (VT *)s;       s += FN(round_up)(lane_row);
-    VT *l = (VT *)s;       s += FN(round_up)(lane_row);
-    VT *alpha = (VT *)s;
+    s.qt = (VT *)p;     p += FN(round_up)((size_t)E * lane_row);
+    s.st = (VT *)p;     p += FN(round_up)((size_t)FA_BK * lane_row);
+    s.ot = (VT *)p;     p += FN(round_up)((size_t)Ev * lane_row);
+    s.m = (VT *)p;      p += FN(round_up)(lane_row);
+    s.l = (VT *)p;      p += FN(round_up)(lane_row);
+    s.alpha = (VT *)p;
+    return s;
+}
 
-    int64_t lo[BQ], hi[BQ], q_row[BQ], m_row[BQ];
-    const fa_rows f = fa_item_rows(p, it, lo, hi, q_row, m_row);
-    const int64_t j_begin = f.j_begin, j_end = f.j_end;
-
-    /* Qᵀ · scale·log2 e, written row by row of Qᵀ; padding lanes 0. */
-    const int nvc = (int)((rows + W - 1) / W); /* vectors of lanes in use */
-    const T *q = (const T *)a->q;
-    T *qt_s = (T *)qt;
+/* Packing: Qᵀ · scale·log2 e into qt (E × BQ, row e of Qᵀ holding every
+ * row's element e), padding lanes 0. Whole W×W blocks are transposed in
+ * registers, the last E % W columns copied one by one. */
+static void FN(lanes_pack_q)(const fa_plan *p, const int64_t *q_row, int64_t rows, int nvc, VT *qt) {
+    const int64_t E = p->a->E, e_full = E / W * W;
+    const T *q = (const T *)p->a->q;
     const T c = (T)p->scale_log2e;
-    const int64_t e_full = E / W * W;
-    for (int u = 0; u < nvc; u++) { /* whole W×W blocks: transposed in registers */
+    T *qt_s = (T *)qt;
+    for (int u = 0; u < nvc; u++) {
         const int64_t r0 = (int64_t)u * W, nr = rows - r0 < W ? rows - r0 : W;
         for (int64_t e0 = 0; e0 < e_full; e0 += W) {
             VT x[W];
@@ -261,76 +227,78 @@ static void FN(item)(const fa_plan *p, const fa_item *it, void *scratch) {
             for (int i = 0; i < W; i++) qt[(e0 + i) * FA_NV + u] = x[i];
         }
     }
-    for (int64_t e = e_full; e < E; e++) { /* the last E % W columns one by one */
+    for (int64_t e = e_full; e < E; e++) {
         T *dst = qt_s + e * BQ;
         if (rows < nvc * W) qt[e * FA_NV + nvc - 1] = (VT){0};
         for (int64_t r = 0; r < rows; r++) dst[r] = q[q_row[r] + e] * c;
     }
+}
+
+/* The block loop: for each key block, scores, masks, online softmax, P·V.
+ * Leaves Oᵀ unnormalised in ot and each lane's (m, l). The first block
+ * starts Oᵀ from 0 (its alpha is 0 anyway), so Oᵀ needs no clearing unless
+ * no block is visited at all. */
+static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, const fa_rows *f, const int64_t *lo,
+                             const int64_t *hi, const int64_t *m_row, int nvc, FN(lanes_bufs) s) {
+    const fa_args *a = p->a;
+    const int64_t E = a->E, Ev = a->Ev, rows = it->rows;
+    const T *k = (const T *)a->k + it->b * a->k_stride[0] + it->hk * a->k_stride[1];
+    const T *v = (const T *)a->v + it->b * a->v_stride[0] + it->hk * a->v_stride[1];
+    const int64_t k_rs = a->k_stride[2], v_rs = a->v_stride[2];
     for (int u = 0; u < FA_NV; u++) {
-        m[u] = FN(v_splat)(-(T)INFINITY);
-        l[u] = (VT){0};
+        s.m[u] = FN(v_splat)(-(T)INFINITY);
+        s.l[u] = (VT){0};
     }
-
-    /* The first block starts Oᵀ from 0 (its alpha is 0 anyway), so Oᵀ needs
-     * no clearing unless no block is visited at all. */
-    if (j_begin >= j_end)
+    if (f->j_begin >= f->j_end)
         for (int64_t e = 0; e < Ev; e++)
-            for (int u = 0; u < nvc; u++) ot[e * FA_NV + u] = (VT){0};
-    for (int64_t j0 = j_begin; j0 < j_end; j0 += FA_BK) {
-        const int64_t nb = j_end - j0 < FA_BK ? j_end - j0 : FA_BK;
-        FN(scores_tile)(nvc, st, k + j0 * k_rs, k_rs, qt, E, nb, v + j0 * v_rs, v_rs, Ev);
-        if (a->mask_kind != FA_MASK_NONE) FN(mask_elements)((T *)st, 1, BQ, a, m_row, rows, j0, nb);
-        /* Only blocks that cross some row's range boundary need masking; after
-         * the caller's mask, so a NaN there at a hidden key stays hidden. */
-        if (f.lo_max > j0 || f.hi_min < j0 + nb - 1) FN(mask_ranges)((T *)st, 1, BQ, j0, nb, rows, lo, hi);
-        FN(softmax_block)(nvc, st, nb, m, l, alpha);
-        FN(values_tile)(nvc, ot, v + j0 * v_rs, v_rs, st, Ev, nb, j0 == j_begin ? 0 : alpha);
+            for (int u = 0; u < nvc; u++) s.ot[e * FA_NV + u] = (VT){0};
+    for (int64_t j0 = f->j_begin; j0 < f->j_end; j0 += FA_BK) {
+        const int64_t nb = f->j_end - j0 < FA_BK ? f->j_end - j0 : FA_BK;
+        FN(scores_tile)(nvc, s.st, k + j0 * k_rs, k_rs, s.qt, E, nb, v + j0 * v_rs, v_rs, Ev);
+        FN(mask_block)((T *)s.st, 1, BQ, a, f, lo, hi, m_row, rows, j0, nb);
+        FN(softmax_block)(nvc, s.st, nb, s.m, s.l, s.alpha);
+        FN(values_tile)(nvc, s.ot, v + j0 * v_rs, v_rs, s.st, Ev, nb, j0 == f->j_begin ? 0 : s.alpha);
     }
+}
 
-    /* out = Oᵀ · (1/l), lane-wise, then transposed into the caller's rows.
-     * A row with no visible key has Oᵀ = 0 and l = 0: 1/l is replaced by 0. */
-    for (int u = 0; u < nvc; u++) {
-        VT inv = 1 / l[u];
-        alpha[u] = FN(v_select)((VU)(l[u] == 0), (VT){0}, inv);
-    }
+/* The store: out = Oᵀ · (1/l) lane-wise, transposed back into the caller's
+ * rows (whole W×W blocks in registers), and each row's lse. */
+static void FN(lanes_store)(const fa_plan *p, const fa_item *it, int nvc, FN(lanes_bufs) s) {
+    const fa_args *a = p->a;
+    const int64_t Ev = a->Ev, rows = it->rows, ev_full = Ev / W * W;
+    const T *m_s = (const T *)s.m, *l_s = (const T *)s.l, *ot_s = (const T *)s.ot;
+    T *inv = (T *)s.alpha;
+    for (int64_t r = 0; r < (int64_t)nvc * W; r++) inv[r] = FN(finish_inv_l)(l_s[r]);
     for (int64_t e = 0; e < Ev; e++)
-        for (int u = 0; u < nvc; u++) ot[e * FA_NV + u] *= alpha[u];
-    const T *ot_s = (const T *)ot, *m_s = (const T *)m, *l_s = (const T *)l;
-    T *out = it->partial ? (T *)it->partial : (T *)a->out, *lse = it->partial ? (T *)it->partial : (T *)a->lse;
+        for (int u = 0; u < nvc; u++) s.ot[e * FA_NV + u] *= s.alpha[u];
+    T *out = FN(item_out)(it, a), *lse = FN(item_lse)(it, a);
     int64_t o_off[BQ], lse_off[BQ];
     for (int64_t r = 0; r < rows; r++) o_off[r] = fa_out_offset(p, it, r, &lse_off[r]);
-    const int64_t ev_full = Ev / W * W;
-    for (int u = 0; u < nvc; u++) { /* whole W×W blocks: transposed in registers */
+    for (int u = 0; u < nvc; u++) {
         const int64_t r0 = (int64_t)u * W, nr = rows - r0 < W ? rows - r0 : W;
         for (int64_t e0 = 0; e0 < ev_full; e0 += W) {
             VT x[W];
-            for (int i = 0; i < W; i++) x[i] = ot[(e0 + i) * FA_NV + u];
+            for (int i = 0; i < W; i++) x[i] = s.ot[(e0 + i) * FA_NV + u];
             FN(v_transpose)(x);
             for (int64_t i = 0; i < nr; i++) memcpy(out + o_off[r0 + i] + e0, &x[i], sizeof(VT));
         }
     }
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t e = ev_full; e < Ev; e++) out[o_off[r] + e] = ot_s[e * BQ + r];
-        if (lse) lse[lse_off[r]] = l_s[r] == 0 ? -(T)INFINITY : m_s[r] * (T)0.69314718055994530942 + FN(log_t)(l_s[r]);
+        if (lse) lse[lse_off[r]] = FN(finish_lse)(m_s[r], l_s[r]);
     }
 }
 
-#include "kernel_rows.h"
-
-/* y = 2^x through the kernel's own v_exp2, for the accuracy test. */
-static void FN(exp2_array)(const T *x, T *y, int64_t n) {
-    for (int64_t i = 0; i < n; i += W) {
-        VT xv = FN(v_splat)(0), yv;
-        for (int u = 0; u < W && i + u < n; u++) xv[u] = x[i + u];
-        yv = FN(v_exp2)(xv);
-        for (int u = 0; u < W && i + u < n; u++) y[i + u] = yv[u];
-    }
+static void FN(lanes_item)(const fa_plan *p, const fa_item *it, void *scratch) {
+    const FN(lanes_bufs) s = FN(lanes_carve)(scratch, p->a->E, p->a->Ev);
+    int64_t lo[BQ], hi[BQ], q_row[BQ], m_row[BQ];
+    const fa_rows f = fa_item_rows(p, it, lo, hi, q_row, m_row);
+    const int nvc = (int)((it->rows + W - 1) / W); /* vectors of lanes in use */
+    FN(lanes_pack_q)(p, q_row, it->rows, nvc, s.qt);
+    FN(lanes_blocks)(p, it, &f, lo, hi, m_row, nvc, s);
+    FN(lanes_store)(p, it, nvc, s);
 }
 
 #undef TILE
 #undef BQ
-#undef FN
-#undef T
-#undef VT
-#undef VU
-#undef W
+#undef FA_BY_WIDTH

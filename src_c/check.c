@@ -1,0 +1,116 @@
+/* check.c — the C boundary validates itself: fa_args_init's defaults, every
+ * argument check (fa_check) and the sentence for each error code. A C caller
+ * gets the same answers the Python layer words its exceptions from.
+ */
+#include <math.h>
+#include <string.h>
+#include "internal.h"
+
+void fa_args_init(fa_args *a) {
+    memset(a, 0, sizeof *a);
+    a->dtype = FA_F32;
+    a->scale = 1.0;
+    a->mask_kind = FA_MASK_NONE;
+    a->align = FA_ALIGN_BOTTOM_RIGHT;
+    a->window_left = a->window_right = -1;
+}
+
+static const char *const fa_messages[FA_ERR_COUNT] = {
+    [FA_OK] = "success",
+    [FA_ERR_NULL_ARGS] = "fa_attention: args is NULL",
+    [FA_ERR_DTYPE] = "fa_attention: dtype must be FA_F32 or FA_F64",
+    [FA_ERR_SIZE] = "fa_attention: sizes must be non-negative, and E, Ev and Hkv at least 1",
+    [FA_ERR_HEADS] = "fa_attention: Hq must be a multiple of Hkv",
+    [FA_ERR_NULL_POINTER] = "fa_attention: q, k, v, out (and mask, kv_len when used) must not be NULL",
+    [FA_ERR_STRIDE] = "fa_attention: strides overflow int64, or elements of out or lse overlap",
+    [FA_ERR_SCALE] = "fa_attention: scale must be finite",
+    [FA_ERR_MASK_KIND] = "fa_attention: mask_kind must be FA_MASK_NONE, FA_MASK_BOOL or FA_MASK_ADD",
+    [FA_ERR_ALIGN] = "fa_attention: causal must be 0 or 1, align FA_ALIGN_BOTTOM_RIGHT or FA_ALIGN_TOP_LEFT",
+    [FA_ERR_WINDOW] = "fa_attention: window_left and window_right must be -1 (unbounded) or >= 0",
+    [FA_ERR_KV_LEN] = "fa_attention: every kv_len entry must be between 0 and S",
+    [FA_ERR_THREADS] = "fa_attention: num_threads must be >= 0 (0: the OpenMP default)",
+    [FA_ERR_NOMEM] = "fa_attention: out of memory for scratch buffers",
+    [FA_ERR_ISA] = "fa_set_isa: unknown ISA, or not supported by this CPU or build",
+    [FA_ERR_STRATEGY] = "fa_attention_with: a forced strategy is out of range",
+};
+
+const char *fa_strerror(int code) {
+    if (code < 0 || code >= FA_ERR_COUNT) return "fastattn: unknown error code";
+    return fa_messages[code];
+}
+
+/* Largest |offset| a tensor of n[0..3] elements per axis reaches through
+ * strides st[0..3] (the last contiguous when st[3] == 1), or -1 on overflow. */
+static int64_t span(const int64_t n[4], const int64_t st[4]) {
+    int64_t total = 0;
+    for (int d = 0; d < 4; d++) {
+        int64_t s = st[d] < 0 ? -st[d] : st[d], part;
+        if (st[d] == INT64_MIN) return -1;
+        if (n[d] <= 1) continue;
+        if (__builtin_mul_overflow(s, n[d] - 1, &part) || __builtin_add_overflow(total, part, &total))
+            return -1;
+    }
+    return total;
+}
+
+/* Whether no two elements of an output share an address: sorted by stride,
+ * every axis must step past everything the smaller axes cover. Sufficient
+ * (not necessary), and true for every array NumPy allocates or slices. */
+static int no_self_overlap(const int64_t n[4], const int64_t st_signed[4]) {
+    /* A negative stride only mirrors an axis: overlap depends on |stride|
+     * (span() has already ruled out overflow). */
+    int64_t st[4];
+    for (int d = 0; d < 4; d++) st[d] = st_signed[d] < 0 ? -st_signed[d] : st_signed[d];
+    int order[4] = {0, 1, 2, 3};
+    for (int i = 1; i < 4; i++)
+        for (int j = i; j > 0 && st[order[j]] < st[order[j - 1]]; j--) {
+            int t = order[j]; order[j] = order[j - 1]; order[j - 1] = t;
+        }
+    int64_t covered = 1; /* elements spanned by the axes so far, plus one */
+    for (int i = 0; i < 4; i++) {
+        int d = order[i];
+        if (n[d] <= 1) continue;
+        if (st[d] < covered) return 0;
+        covered = st[d] * (n[d] - 1) + covered;
+    }
+    return 1;
+}
+
+int fa_check(const fa_args *a) {
+    if (!a) return FA_ERR_NULL_ARGS;
+    if (a->dtype != FA_F32 && a->dtype != FA_F64) return FA_ERR_DTYPE;
+    if (a->B < 0 || a->Hq < 0 || a->Hkv < 0 || a->L < 0 || a->S < 0 || a->E < 0 || a->Ev < 0)
+        return FA_ERR_SIZE;
+    const int empty = a->B == 0 || a->Hq == 0 || a->L == 0;
+    if (!empty && (a->Hkv < 1 || a->E < 1 || a->Ev < 1)) return FA_ERR_SIZE;
+    if (!empty && a->Hq % a->Hkv != 0) return FA_ERR_HEADS;
+    if (a->mask_kind != FA_MASK_NONE && a->mask_kind != FA_MASK_BOOL && a->mask_kind != FA_MASK_ADD)
+        return FA_ERR_MASK_KIND;
+    if ((a->causal != 0 && a->causal != 1) ||
+        (a->align != FA_ALIGN_BOTTOM_RIGHT && a->align != FA_ALIGN_TOP_LEFT))
+        return FA_ERR_ALIGN;
+    if (a->window_left < -1 || a->window_right < -1) return FA_ERR_WINDOW;
+    if (!isfinite(a->scale)) return FA_ERR_SCALE;
+    if (a->num_threads < 0) return FA_ERR_THREADS;
+    if (empty) return FA_OK;
+
+    if (!a->q || !a->k || !a->v || !a->out) return FA_ERR_NULL_POINTER;
+    if (a->mask_kind != FA_MASK_NONE && !a->mask) return FA_ERR_NULL_POINTER;
+    if (a->kv_len)
+        for (int64_t b = 0; b < a->B; b++)
+            if (a->kv_len[b] < 0 || a->kv_len[b] > a->S) return FA_ERR_KV_LEN;
+
+    const int64_t n_q[4] = {a->B, a->Hq, a->L, a->E}, n_k[4] = {a->B, a->Hkv, a->S, a->E};
+    const int64_t n_v[4] = {a->B, a->Hkv, a->S, a->Ev}, n_o[4] = {a->B, a->Hq, a->L, a->Ev};
+    const int64_t n_m[4] = {a->B, a->Hq, a->L, a->S}, n_l[4] = {a->B, a->Hq, a->L, 1};
+#define ST4(s) {s[0], s[1], s[2], 1}
+    const int64_t s_q[4] = ST4(a->q_stride), s_k[4] = ST4(a->k_stride), s_v[4] = ST4(a->v_stride);
+    const int64_t s_o[4] = ST4(a->out_stride), s_l[4] = ST4(a->lse_stride);
+#undef ST4
+    if (span(n_q, s_q) < 0 || span(n_k, s_k) < 0 || span(n_v, s_v) < 0 || span(n_o, s_o) < 0)
+        return FA_ERR_STRIDE;
+    if (a->mask_kind != FA_MASK_NONE && span(n_m, a->mask_stride) < 0) return FA_ERR_STRIDE;
+    if (!no_self_overlap(n_o, s_o)) return FA_ERR_STRIDE;
+    if (a->lse && (span(n_l, s_l) < 0 || !no_self_overlap(n_l, s_l))) return FA_ERR_STRIDE;
+    return FA_OK;
+}
