@@ -35,6 +35,7 @@ should only put NaN where it is visible.
 from __future__ import annotations
 
 import math
+import operator
 from typing import NamedTuple
 
 import numpy as np
@@ -163,7 +164,10 @@ def visibility(L, S, *, causal=False, window=None, kv_lengths=None, batch_shape=
             f"causal must be False, True, 'bottom_right' or 'top_left', got {causal!r}"
         )
     if window is not None:
-        left, right = (int(w) for w in window)
+        try:
+            left, right = (operator.index(w) for w in window)
+        except (TypeError, ValueError):
+            raise TypeError(f"window must be None or a pair of ints (left, right), got {window!r}") from None
         if left < -1 or right < -1:
             raise ValueError(f"window sides must be >= -1 (-1: unbounded), got {window!r}")
         window = (left, right)
@@ -172,7 +176,7 @@ def visibility(L, S, *, causal=False, window=None, kv_lengths=None, batch_shape=
     else:
         kv = np.asarray(kv_lengths)
         if kv.dtype.kind not in "iu":
-            raise ValueError(f"kv_lengths must hold integers, got dtype {kv.dtype}")
+            raise TypeError(f"kv_lengths must hold integers, got dtype {kv.dtype}")
         if kv.size and (kv.min() < 0 or kv.max() > S):
             raise ValueError(f"kv_lengths must lie in [0, S={S}], got {kv_lengths!r}")
         # one length per batch entry, lined up with (*batch, H, L, S); int64,
@@ -338,7 +342,7 @@ def attention_steps(q, k, v, *, mask=None, causal=False, window=None, kv_lengths
     """
     dtype = np.dtype(dtype)
     if dtype.kind != "f":
-        raise ValueError(f"dtype must be a floating dtype, got {dtype}")
+        raise TypeError(f"dtype must be a floating dtype, got {dtype}")
     headless = all(np.ndim(x) == 2 for x in (q, k, v))
     q, k, v = (_as_heads(x, n, dtype) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     (Hq, L, E), (Hkv, S, Ek), (Hv, Sv, Ev) = q.shape[-3:], k.shape[-3:], v.shape[-3:]
@@ -369,7 +373,7 @@ def attention_steps(q, k, v, *, mask=None, causal=False, window=None, kv_lengths
         if mask.dtype.kind == "f":
             mask = mask.astype(dtype, copy=False)
         elif mask.dtype != np.bool_:
-            raise ValueError(f"mask must be bool or floating, got dtype {mask.dtype}")
+            raise TypeError(f"mask must be bool or floating, got dtype {mask.dtype}")
         mask = np.broadcast_to(mask, out_leading + (L, S)).reshape(batch + (Hq, L, S))
 
     s = scores(q, k)
