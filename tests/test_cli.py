@@ -89,7 +89,9 @@ def test_failed_check_exits_1(monkeypatch, capsys):
 
 
 def test_shape_groups():
-    assert cli._shapes("decode") == cli._bench.SHAPE_GROUPS["decode"]
+    from fastattn.bench.shapes import SHAPE_GROUPS, SHAPES
+    assert cli._shapes("decode") == SHAPE_GROUPS["decode"]
     picked = cli._shapes("tiny,decode,dec4k")
-    assert picked[0].name == "tiny" and len(picked) == 1 + len(cli._bench.SHAPE_GROUPS["decode"])
-    assert [s.name for s in cli._shapes("full,decode")] == [s.name for s in cli._bench.SHAPES]
+    assert picked[0].name == "tiny" and len(picked) == 1 + len(SHAPE_GROUPS["decode"])
+    assert [s.name for s in cli._shapes("full,decode")] == [s.name for s in SHAPES]
+
