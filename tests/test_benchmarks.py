@@ -28,6 +28,18 @@ def test_benchmark_suite_runs(tmp_path):
     assert " passed" in p.stdout
 
 
+def test_the_core_package_does_not_import_the_bench(tmp_path):
+    # fastattn.bench imports the core, never the other way round
+    code = ("import sys, fastattn, fastattn.cache, fastattn.layers, fastattn.merge, "
+            "fastattn.reference; "
+            "bench = [m for m in sys.modules if m.startswith('fastattn.bench') "
+            "or m in ('fastattn._bench', 'fastattn._peers', 'fastattn._block')]; "
+            "assert not bench, bench")
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
 @pytest.mark.parametrize("name", list(peers.LIBRARIES))
 def test_peer_matches_reference(name):
     lib = peers.LIBRARIES[name]
