@@ -8,7 +8,8 @@ import pathlib
 import pytest
 
 import fastattn
-from fastattn import _bench, _peers
+from fastattn.bench import header, run
+from fastattn.bench.peers import LIBRARIES, PEERS
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -31,6 +32,6 @@ def threads(request):
 
 def pytest_report_header(config):
     threads = config.getoption("--attn-threads") or fastattn.info()["max_threads"]
-    peers = [name for name in _peers.PEERS if _peers.LIBRARIES[name].installed()]
-    status = _bench.library_status(peers)
-    return _bench.format_header(_bench.header(peers, status, [threads], "float32"))
+    peers = [name for name in PEERS if LIBRARIES[name].installed()]
+    status = run.library_status(peers)
+    return header.format_header(header.header(peers, status, [threads], "float32"))

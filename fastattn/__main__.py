@@ -2,25 +2,22 @@
 
 With no arguments it runs everything below; `demo`, `info` and `bench` run a
 part. The numbers come from fastattn.reference (the definition) and the
-kernel; the timing loops and the full benchmark live in fastattn._bench.
+kernel. The timings and the full benchmark live in fastattn.bench, imported
+only by the commands that use it (the demo's check borrows its tolerance rule).
 """
 import argparse
-import importlib.util
 import math
 import sys
-import time
 
 import numpy as np
 
 import fastattn
-from fastattn import _bench, _peers, reference
+from fastattn import reference
+from fastattn._info import cpu_model
 
 LECTURE_Q = [[1, 0, 1, 0], [0, 1, 0, 1]]
 LECTURE_K = [[1, 0, 1, 0], [1, 1, 1, 1]]
 LECTURE_V = [[10, 0], [0, 10]]
-CHECK_SHAPE = _bench.Shape("check", 2, 4, 2, 100, 130, 64, causal=True,
-                           about="L != S, GQA, bottom-right causal: the cases that differ")
-TIMING_SHAPE = _bench.SHAPES_BY_NAME["enc512"]
 
 
 # ---------------------------------------------------------------------------
@@ -33,7 +30,7 @@ def show_info():
     print(f"  ISA in use     {i['isa']} (this CPU runs: {', '.join(i['isas'])})")
     print(f"  OpenMP         {'yes' if i['openmp'] else 'no: this build runs on one thread'}")
     print(f"  max threads    {i['max_threads']} (num_threads=None; set OMP_NUM_THREADS to change)")
-    print(f"  machine        {_bench.cpu_model()}, {i['machine']}")
+    print(f"  machine        {cpu_model()}, {i['machine']}")
     print(f"  Python {i['python']}, NumPy {i['numpy']}")
 
 
@@ -71,11 +68,15 @@ def walk_example():
 
 
 def check_kernel():
-    """The kernel against the float64 reference on CHECK_SHAPE; True if within tolerance."""
-    s = CHECK_SHAPE
+    """The kernel against the float64 reference on a small shape with the cases
+    that differ between libraries; True if within the bench's tolerance."""
+    from fastattn.bench.checks import max_error, reference_for
+    from fastattn.bench.shapes import Shape
+    s = Shape("check", 2, 4, 2, 100, 130, 64, causal=True,
+              about="L != S, GQA, bottom-right causal: the cases that differ")
     q, k, v = s.inputs(np.float32)
-    ref = _bench.reference_for(s, q, k, v)
-    err = _bench.max_error(fastattn.attention(q, k, v, causal=s.causal), ref)
+    ref = reference_for(s, q, k, v)
+    err = max_error(fastattn.attention(q, k, v, causal=s.causal), ref)
     ok = err <= ref.tolerance
     print(f"Check: fastattn against fastattn.reference (float64) on {s.label}, float32")
     print(f"  ({s.about})")
@@ -85,31 +86,6 @@ def check_kernel():
     return ok
 
 
-def time_against_numpy(repeat=10, min_time=0.3):
-    """fastattn against textbook NumPy on TIMING_SHAPE, each in its own loop."""
-    s = TIMING_SHAPE
-    q, k, v = s.inputs(np.float32)
-    threads = fastattn.info()["max_threads"]
-    numpy_call = _peers.LIBRARIES["numpy"].prepare(q, k, v, s.causal, threads)
-    watch = _bench.OthersWatch().start()
-    t_np = _bench.time_call(numpy_call, repeat, min_time)
-    time.sleep(_bench.PAUSE_S)  # OpenBLAS workers spin after a matmul; let them sleep first
-    t_fa = _bench.time_call(lambda: fastattn.attention(q, k, v), repeat, min_time)
-    busy = watch.share()
-    print(f"Timing on {s.label} float32 ({_bench.threads_text(threads)}; "
-          "NumPy's loop first, then a pause, then fastattn's):")
-    print(f"  NumPy textbook softmax(q·kᵀ·scale)·v  {_bench.format_time(t_np.median_s):>10}"
-          f"  (median of {t_np.samples})")
-    print(f"  fastattn.attention                    {_bench.format_time(t_fa.median_s):>10}"
-          f"  (median of {t_fa.samples})")
-    ratio = t_np.median_s / t_fa.median_s
-    verdict = "faster" if ratio >= 1 else "slower"
-    print(f"  ratio NumPy / fastattn: {ratio:.2f}× (fastattn is {verdict})")
-    for note in (_bench.slow_blas_note(), _bench.busy_note(busy)):
-        if note:
-            print("  " + note)
-
-
 # ---------------------------------------------------------------------------
 # Subcommands
 # ---------------------------------------------------------------------------
@@ -117,6 +93,7 @@ def time_against_numpy(repeat=10, min_time=0.3):
 def cmd_all(args):
     ok = cmd_demo(args) == 0
     print()
+    from fastattn.bench import time_against_numpy
     time_against_numpy()
     return 0 if ok else 1
 
@@ -150,49 +127,26 @@ def _thread_counts(text):
 
 def _shapes(text):
     """Shape names and group names (decode, full), in order, each shape once."""
-    known = {**_bench.SHAPE_GROUPS, **{n: [s] for n, s in _bench.SHAPES_BY_NAME.items()}}
+    from fastattn.bench.shapes import SHAPE_GROUPS, SHAPES_BY_NAME
+    known = {**SHAPE_GROUPS, **{n: [s] for n, s in SHAPES_BY_NAME.items()}}
     unknown = [n for n in _names(text) if n not in known]
     if unknown:
         raise argparse.ArgumentTypeError(
             f"unknown shape(s) {', '.join(unknown)}; known: groups "
-            f"{', '.join(_bench.SHAPE_GROUPS)}; shapes {', '.join(_bench.SHAPES_BY_NAME)}")
+            f"{', '.join(SHAPE_GROUPS)}; shapes {', '.join(SHAPES_BY_NAME)}")
     picked = [s for n in _names(text) for s in known[n]]
     return list(dict.fromkeys(picked))
 
 
 def cmd_bench(args):
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
-        # said before the run, not after minutes of timing
-        print(f"--plot needs matplotlib (pip install matplotlib); {args.plot} will not be written",
-              file=sys.stderr)
-        args.plot = None
-    requested = _names(args.peers) if args.peers else _peers.default_peers()
-    status = _bench.library_status(requested)
-    libraries = [name for name, s in status.items() if s == "ok"]
-    threads = args.threads or [fastattn.info()["max_threads"]]
-    head = _bench.header(requested, status, threads, args.dtype)
-    print("\n".join(_bench.format_header(head)), flush=True)
-    peaks, results, bandwidths = _bench.run(args.shapes, libraries, threads,
-                                            np.dtype(args.dtype), args.repeat, args.min_time)
-    print()
-    print(_bench.markdown(peaks, results, args.shapes, libraries, bandwidths))
-    busy = _bench.cpu_busy()
-    if busy is not None:
-        print(f"CPUs busy with other processes just after the run: {100 * busy:.0f} %")
-        if _bench.busy_note(busy):
-            print(_bench.busy_note(busy))
-    if args.json:
-        _bench.to_json(args.json, head, peaks, results, bandwidths)
-        print(f"wrote {args.json}")
-    if args.plot:
-        if _bench.plot(args.plot, peaks, results, args.shapes, libraries):
-            print(f"wrote {args.plot}")
-        else:
-            print(f"{args.plot} not written: the chart shows attention shapes, and none was run")
-    return 0
+    from fastattn import bench
+    return bench.main(args)
 
 
-def parser():
+def parser(bench=None):
+    """The command line. The bench command's options list the suite's shapes and
+    peers, so they are added only when ``bench`` (the fastattn.bench package)
+    is given; without it `bench` takes any arguments and main() parses again."""
     p = argparse.ArgumentParser(
         prog="python -m fastattn",
         description="fastattn: fused scaled dot-product attention on the CPU. Without a "
@@ -204,22 +158,26 @@ def parser():
     sub.add_parser("info", help="version, ISA, OpenMP and threads of this build")
     b = sub.add_parser(
         "bench", help="time fastattn against NumPy and other libraries (see bench --help)",
+        add_help=bench is not None,
         description="Time fastattn against textbook NumPy and the installed peer libraries, "
                     "each in its own loop, after checking each against fastattn.reference. "
                     "Prints a header (versions, CPU, thread pools) and Markdown tables of "
                     "median times, GFLOP/s and the share of NumPy's matmul peak; GB/s for "
                     "decoding; tokens/s for a NumPy transformer block. For NumPy's "
                     "real speed unset OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE if they are set.")
-    b.add_argument("--peers", metavar="LIST",
-                   help=f"comma-separated, from {','.join(_peers.ALL_PEERS)} "
+    if bench is None:
+        return p
+    shapes = bench.shapes
+    b.add_argument("--peers", type=_names, metavar="LIST",
+                   help=f"comma-separated, from {','.join(bench.peers.ALL_PEERS)} "
                         "(default: numpy plus those installed)")
     b.add_argument("--threads", type=_thread_counts, metavar="LIST",
                    help="thread counts, e.g. 1,2 (default: fastattn's max threads)")
-    b.add_argument("--shapes", type=_shapes, default=list(_bench.SHAPES_BY_NAME.values()),
+    b.add_argument("--shapes", type=_shapes, default=list(shapes.SHAPES_BY_NAME.values()),
                    metavar="LIST",
                    help="shape or group names, comma-separated (default all); groups: "
-                        + ", ".join(_bench.SHAPE_GROUPS) + "; shapes: " + ", ".join(
-                       f"{s.name} ({s.label})" for s in _bench.SHAPES_BY_NAME.values()))
+                        + ", ".join(shapes.SHAPE_GROUPS) + "; shapes: " + ", ".join(
+                       f"{s.name} ({s.label})" for s in shapes.SHAPES_BY_NAME.values()))
     b.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     b.add_argument("--repeat", type=int, default=10, metavar="N",
                    help="at least N timing samples per library and shape (default 10)")
@@ -234,7 +192,14 @@ COMMANDS = {None: cmd_all, "demo": cmd_demo, "info": cmd_info, "bench": cmd_benc
 
 
 def main(argv=None):
-    args = parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = parser()
+    args, rest = p.parse_known_args(argv)
+    if args.command == "bench":
+        from fastattn import bench
+        args = parser(bench).parse_args(argv)
+    elif rest:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
     return COMMANDS[args.command](args)
 
 

@@ -30,6 +30,18 @@ def info():
     }
 
 
+def cpu_model():
+    """The CPU's model name (Linux /proc/cpuinfo), else what platform knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "Model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def set_isa(name=None):
     """Force a micro-kernel set for the whole process.
 

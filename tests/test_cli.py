@@ -89,7 +89,23 @@ def test_failed_check_exits_1(monkeypatch, capsys):
 
 
 def test_shape_groups():
-    assert cli._shapes("decode") == cli._bench.SHAPE_GROUPS["decode"]
+    from fastattn.bench.shapes import SHAPE_GROUPS, SHAPES
+    assert cli._shapes("decode") == SHAPE_GROUPS["decode"]
     picked = cli._shapes("tiny,decode,dec4k")
-    assert picked[0].name == "tiny" and len(picked) == 1 + len(cli._bench.SHAPE_GROUPS["decode"])
-    assert [s.name for s in cli._shapes("full,decode")] == [s.name for s in cli._bench.SHAPES]
+    assert picked[0].name == "tiny" and len(picked) == 1 + len(SHAPE_GROUPS["decode"])
+    assert [s.name for s in cli._shapes("full,decode")] == [s.name for s in SHAPES]
+
+
+def test_info_and_parsing_do_not_import_the_bench(tmp_path):
+    # `info` and every command's parsing but bench's leave fastattn.bench unloaded
+    code = ("import sys; from fastattn import __main__ as cli; cli.main(['info']); "
+            "cli.parser().parse_known_args(['demo']); "
+            "assert not [m for m in sys.modules if m.startswith('fastattn.bench')]")
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_unknown_arguments_are_rejected(tmp_path):
+    p = run_cli(tmp_path, "info", "--shapes", "tiny")
+    assert p.returncode == 2 and "unrecognized arguments: --shapes tiny" in p.stderr

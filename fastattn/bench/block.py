@@ -7,8 +7,8 @@ Projections and the MLP are NumPy matmuls (whatever BLAS NumPy has, on its
 default threads); only the attention differs between the two runs, and both
 read and write the same KV cache. A step is a prefill (the prompt's tokens
 into an empty cache) or a decode step (one new token per sequence against
-``past`` cached ones). fastattn._bench times and checks these; this file
-owns the block, its inputs and its float64 reference.
+``past`` cached ones). fastattn.bench.run times these and fastattn.bench.checks
+checks them; this file owns the block, its inputs and its float64 reference.
 """
 import dataclasses
 import zlib
@@ -16,7 +16,7 @@ import zlib
 import numpy as np
 
 from fastattn import reference
-from fastattn._peers import causal_mask, textbook_attention
+from fastattn.bench.peers import causal_mask, textbook_attention
 from fastattn.layers import MultiHeadAttention
 
 ATTENTIONS = ("fastattn", "numpy")  # the libraries a block row is timed with

@@ -3,7 +3,7 @@
 An adapter imports its library only when asked, says whether it is installed,
 and builds a ready-to-time callable for one problem: the model, session or
 tensors are made once, outside the timing loop, and the thread count is set
-there. It does no timing and no checking; fastattn._bench does both.
+there. It does no timing and no checking: fastattn.bench.run and .checks do.
 """
 import importlib
 import importlib.metadata
