@@ -298,3 +298,31 @@ def test_repeated_failures_do_not_leak(make):
     assert end - start < 256 * 1024, f"traced memory grew by {end - start} bytes over 2000 failing calls"
     rss_growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before
     assert rss_growth < 64 * 1024, f"max RSS grew by {rss_growth} KiB over 2000 failing calls"
+
+
+# --------------------------------------------------------------------------
+# The twins agree: the reference and the kernel raise the same exception type
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("over", [
+    dict(kv_lengths=np.array([1.5, 2.0])),        # not integers
+    dict(kv_lengths=np.array([7, 2])),            # above S
+    dict(kv_lengths=np.array([-1, 2])),           # negative
+    dict(mask=np.zeros((4, 6), np.int32)),        # neither bool nor float
+    dict(mask=np.zeros((4, 5), bool)),            # does not broadcast
+    dict(window=(1.5, 2)),                        # not ints
+    dict(window=(-2, 0)),                         # below -1
+    dict(causal="bottom_left"),                   # not an alignment
+    dict(k=_r(2, 3, 6, 4)),                       # E differs
+    dict(v=_r(2, 3, 5, 7)),                       # S differs
+    dict(k=_r(2, 2, 6, 5), v=_r(2, 2, 6, 7)),     # Hq not a multiple of Hkv
+], ids=lambda o: ",".join(f"{n}" for n in o))
+def test_reference_and_kernel_raise_the_same_type(over):
+    args = _q(**over)
+    q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
+    with pytest.raises((TypeError, ValueError)) as kernel_error:
+        fastattn.attention(q, k, v, **args)
+    with pytest.raises((TypeError, ValueError)) as reference_error:
+        fastattn.reference.attention(q, k, v, **args)
+    assert type(reference_error.value) is type(kernel_error.value), (
+        f"kernel: {kernel_error.value!r}; reference: {reference_error.value!r}")
