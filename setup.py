@@ -1,14 +1,16 @@
 """Build the fastattn._kernel extension: Cython binding + the C kernel in src_c/.
 
-Metadata lives in pyproject.toml; this file only describes the compiled part:
-baseline C sources, per-ISA micro-kernels compiled with their own flags, and
-OpenMP detection. Environment:
+Metadata lives in pyproject.toml; the C sources and their flags in
+src_c/manifest.py. This file adds the binding, the per-ISA objects and OpenMP
+detection. GCC or clang only: the C uses GCC vector extensions,
+posix_memalign and __atomic builtins, so MSVC cannot build it. Environment:
 
     FASTATTN_REQUIRE_OPENMP=1   a compiler without OpenMP stops the build
-                                (wheels and CI) instead of building serial.
+                                (wheels and CI) instead of building without it.
 """
 
 import glob
+import importlib.util
 import os
 import sys
 import sysconfig
@@ -18,29 +20,20 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 from setuptools.errors import CompileError, LinkError, PlatformError
 
-SRC = "src_c"
 
-# Compiled with baseline flags on every architecture. kernels_vec128.c is
-# SSE2 on x86-64 and NEON on arm64: both are baseline there, so no flag.
-BASELINE_SOURCES = ["attention.c", "check.c", "plan.c", "pool.c", "dispatch.c", "kernels_scalar.c", "kernels_vec128.c"]
+def load_manifest():
+    # By file path: a PEP 517 build does not put the project folder on sys.path.
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "src_c", "manifest.py")
+    spec = importlib.util.spec_from_file_location("fastattn_c_manifest", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-# Per-ISA micro-kernels: (file, macro telling dispatch.c it exists, gcc/clang flags, MSVC flags).
-# setuptools has one flag list per extension, so these are compiled separately
-# (see BuildExt) and linked in as extra objects: only these files may contain
-# AVX/AVX-512 instructions, and dispatch.c picks one at run time, so the module
-# still imports and runs on a CPU without them.
-ISA_X86_64 = [
-    ("kernels_avx2.c", "FA_HAVE_AVX2", ["-mavx2", "-mfma"], ["/arch:AVX2"]),
-    ("kernels_avx512.c", "FA_HAVE_AVX512",
-     ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"], ["/arch:AVX512"]),
-]
 
-# -std=gnu99, not c99: strict ISO mode sets -ffp-contract=off, which would turn
-# every a*b+c into two roundings and lose the FMA. -fno-math-errno lets expf and
-# sqrtf inline. Never -ffast-math (breaks inf/NaN handling of masked rows) and
-# never -march=native (a wheel must run on any CPU of its architecture).
-GCC_FLAGS = ["-O3", "-std=gnu99", "-fno-math-errno", "-Wall"]
-MSVC_FLAGS = ["/O2"]
+manifest = load_manifest()
+# sysconfig.get_platform() follows cross-compilation (_PYTHON_HOST_PLATFORM, as
+# set by cibuildwheel), unlike platform.machine().
+TARGET = sysconfig.get_platform()
 
 CYTHON_DIRECTIVES = {
     "language_level": 3,
@@ -61,52 +54,42 @@ int main(void) {
 """
 
 
-def target_isas():
-    """Per-ISA kernels for the platform being built for (none beyond baseline
-    off x86-64).
-
-    sysconfig.get_platform() follows cross-compilation (_PYTHON_HOST_PLATFORM,
-    as set by cibuildwheel), unlike platform.machine(). A macOS universal2
-    build gets the baseline kernels only: one flag list cannot serve both halves.
-    """
-    plat = sysconfig.get_platform().lower()
-    return ISA_X86_64 if plat.endswith(("x86_64", "amd64")) else []
-
-
 class BuildExt(build_ext):
     def finalize_options(self):
         super().finalize_options()
         # Always rebuild everything. pip builds in-tree, so build/ survives
         # between installs, and distutils skips an extension whose .so is newer
         # than its listed sources and headers: a change it cannot see (a flag
-        # here, an included file not listed, a checkout that keeps old file
-        # times) would then ship the previous module and hide a broken source.
-        # The whole build takes seconds.
+        # in the manifest, an included file not listed, a checkout that keeps
+        # old file times) would then ship the previous module and hide a
+        # broken source. The whole build takes seconds.
         self.force = True
 
     def build_extensions(self):
         import numpy
         from Cython.Build import cythonize
 
-        msvc = self.compiler.compiler_type == "msvc"
-        omp_compile, omp_link = self._find_openmp(msvc)
-        base = (MSVC_FLAGS if msvc else GCC_FLAGS) + omp_compile
+        omp_compile, omp_link = self._find_openmp()
+        base = manifest.FLAGS + omp_compile
 
-        isas = target_isas()
         for ext in self.extensions:
-            ext.include_dirs += [SRC, numpy.get_include()]
+            ext.include_dirs += [manifest.SRC, numpy.get_include()]
             ext.extra_compile_args += base
             ext.extra_link_args += omp_link
             # The FA_HAVE_* macros go to every source (the Cython module too),
             # so all files agree on which kernels exist.
-            ext.define_macros += [(macro, "1") for _, macro, _, _ in isas]
-            for name, _, gcc_flags, msvc_flags in isas:
+            ext.define_macros += [(macro, "1") for macro in manifest.macros(TARGET)]
+            # setuptools has one flag list per extension: a source with flags
+            # of its own (a per-ISA kernel) is compiled here and linked in.
+            for path, own in manifest.steps(TARGET):
+                if not own:
+                    continue
                 ext.extra_objects += self.compiler.compile(
-                    [os.path.join(SRC, name)],
+                    [path],
                     output_dir=self.build_temp,
                     macros=ext.define_macros,
                     include_dirs=ext.include_dirs,
-                    extra_postargs=base + (msvc_flags if msvc else gcc_flags),
+                    extra_postargs=base + own,
                     depends=ext.depends,
                 )
 
@@ -115,19 +98,16 @@ class BuildExt(build_ext):
             ext.sources = cythonize(ext, force=True, compiler_directives=CYTHON_DIRECTIVES)[0].sources
         super().build_extensions()
 
-    def _find_openmp(self, msvc):
+    def _find_openmp(self):
         """(compile flags, link flags) that build and link an OpenMP program."""
-        if msvc:
-            candidates = [(["/openmp"], [])]
-        else:
-            candidates = [(["-fopenmp"], ["-fopenmp"])]
-            if sys.platform == "darwin":  # Apple clang: libomp from Homebrew
-                for prefix in ("/opt/homebrew/opt/libomp", "/usr/local/opt/libomp"):
-                    if os.path.isdir(prefix):
-                        candidates.append(
-                            (["-Xpreprocessor", "-fopenmp", f"-I{prefix}/include"],
-                             [f"-L{prefix}/lib", "-lomp"]))
-                candidates.append((["-Xpreprocessor", "-fopenmp"], ["-lomp"]))
+        candidates = [([manifest.OPENMP], [manifest.OPENMP])]
+        if sys.platform == "darwin":  # Apple clang: libomp from Homebrew
+            for prefix in ("/opt/homebrew/opt/libomp", "/usr/local/opt/libomp"):
+                if os.path.isdir(prefix):
+                    candidates.append(
+                        (["-Xpreprocessor", "-fopenmp", f"-I{prefix}/include"],
+                         [f"-L{prefix}/lib", "-lomp"]))
+            candidates.append((["-Xpreprocessor", "-fopenmp"], ["-lomp"]))
 
         with tempfile.TemporaryDirectory() as tmp:
             src = os.path.join(tmp, "omp_probe.c")
@@ -147,15 +127,19 @@ class BuildExt(build_ext):
                    f"(tried {[c for c, _ in candidates]})")
         if os.environ.get("FASTATTN_REQUIRE_OPENMP") == "1":
             raise PlatformError(message + "; FASTATTN_REQUIRE_OPENMP=1 makes this an error.")
-        print(f"WARNING: {message}. Building a SERIAL kernel: every call runs on one "
-              "thread. fastattn.info()['openmp'] will say False.", file=sys.stderr)
+        # src_c/attention.c: fa_max_threads() is omp_get_max_threads(), or 1 without OpenMP.
+        print(f"WARNING: {message}. Building without OpenMP: the kernel's worker threads are "
+              "POSIX threads (src_c/pool.c) and still run with an explicit num_threads=N, but "
+              "num_threads=None now means 1 thread, since the default count comes from "
+              "omp_get_max_threads(): OMP_NUM_THREADS and threadpoolctl no longer apply. "
+              "fastattn.info()['openmp'] will say False.", file=sys.stderr)
         return [], []
 
 
 kernel = Extension(
     "fastattn._kernel",
-    sources=["fastattn/_kernel.pyx"] + [os.path.join(SRC, name) for name in BASELINE_SOURCES],
-    depends=sorted(glob.glob(os.path.join(SRC, "*.h"))),
+    sources=["fastattn/_kernel.pyx"] + [path for path, own in manifest.steps(TARGET) if not own],
+    depends=sorted(glob.glob(os.path.join(manifest.SRC, "*.h"))),
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
 )
 

@@ -1,9 +1,23 @@
 """Helpers every test module shares: `from _helpers import randn, tolerance`
 (pytest's `pythonpath = ["tests"]` puts this folder, not the repository root,
 on sys.path)."""
+import importlib.util
+import pathlib
+
 import numpy as np
 
 import fastattn
+
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def c_manifest():
+    """src_c/manifest.py (the C sources and their flags), loaded by file path."""
+    spec = importlib.util.spec_from_file_location("fastattn_c_manifest", REPO / "src_c" / "manifest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def randn(rng, shape, dtype=np.float32):

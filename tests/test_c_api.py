@@ -1,23 +1,21 @@
-"""The C API on its own: tests/c/test_capi.c built against src_c/ with the
-system C compiler (no Python headers), run with every ISA and with
-FASTATTN_ISA=scalar; and a check that fastattn.h compiles on its own."""
+"""The C API on its own: tests/c/test_capi.c linked against the library that
+src_c/manifest.py builds with the system C compiler (no Python headers), run
+with every ISA and with FASTATTN_ISA=scalar, and cross-built for arm64 under
+qemu; the manifest itself; and a check that fastattn.h compiles on its own,
+linked by the manifest's cc-line."""
 import os
-import pathlib
 import platform
 import re
+import shlex
 import shutil
 import subprocess
+import sys
 
 import pytest
+from _helpers import REPO, c_manifest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 SRC = REPO / "src_c"
-CORE = ["attention.c", "check.c", "plan.c", "pool.c", "dispatch.c", "kernels_scalar.c", "kernels_vec128.c"]
-# Per-ISA sources: compiled alone, each with its own flags (never -march=native).
-AVX = [
-    ("kernels_avx2.c", ["-mavx2", "-mfma"]),
-    ("kernels_avx512.c", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"]),
-]
+MANIFEST = c_manifest()
 SUMMARY = re.compile(r"C API: (\d+) passed, (\d+) failed")
 
 
@@ -30,27 +28,22 @@ def _cc():
 
 def _run(cmd, **kw):
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, **kw)
-    assert r.returncode == 0, f"{' '.join(map(str, cmd))} exited {r.returncode}:\n{r.stdout}\n{r.stderr}"
+    shown = cmd if isinstance(cmd, str) else shlex.join(map(str, cmd))
+    assert r.returncode == 0, f"{shown} exited {r.returncode}:\n{r.stdout}\n{r.stderr}"
     return r
+
+
+def _build_capi(out, cc, cflags=""):
+    """The manifest's own command: out/libfastattn.a for cc's target, and
+    tests/c/test_capi.c linked against it as out/test_capi."""
+    _run([sys.executable, str(SRC / "manifest.py"), "lib", "--cc", cc, "--out", str(out),
+          f"--cflags={cflags}", "--program", "tests/c/test_capi.c"])
+    return out / "test_capi"
 
 
 @pytest.fixture(scope="module")
 def capi_binary(tmp_path_factory):
-    """tests/c/test_capi.c linked against src_c/ only, built once for the module."""
-    cc = _cc()
-    tmp = tmp_path_factory.mktemp("capi")
-    flags = ["-O2", "-std=gnu99", "-fopenmp", f"-I{SRC}"]
-    objects = []
-    if platform.machine().lower() in ("x86_64", "amd64"):
-        flags += ["-DFA_HAVE_AVX2", "-DFA_HAVE_AVX512"]
-        for name, isa_flags in AVX:
-            obj = tmp / (name[:-2] + ".o")
-            _run([cc, *flags, *isa_flags, "-c", str(SRC / name), "-o", str(obj)])
-            objects.append(str(obj))
-    exe = tmp / "test_capi"
-    _run([cc, *flags, str(REPO / "tests" / "c" / "test_capi.c"), *(str(SRC / n) for n in CORE),
-          *objects, "-o", str(exe), "-lm"])
-    return exe
+    return _build_capi(tmp_path_factory.mktemp("capi"), _cc())
 
 
 def _check_summary(result):
@@ -92,8 +85,7 @@ def test_header_is_self_contained(tmp_path):
           "-o", str(tmp_path / "uses_header.o")])
     # Then link and run it, to see the two calls answer.
     exe = tmp_path / "uses_header"
-    _run([cc, "-O1", "-std=gnu99", "-fopenmp", f"-I{SRC}", str(src),
-          *(str(SRC / n) for n in CORE), "-o", str(exe), "-lm"])
+    _run(MANIFEST.cc_line(platform.machine(), cc, [str(src)], str(exe)), shell=True)
     r = _run([str(exe)])
     isa = re.search(r"^isa=(\S+)$", r.stdout, re.M)
     assert isa and isa.group(1) in ("avx512", "avx2", "sse2", "neon", "scalar"), r.stdout
@@ -108,9 +100,36 @@ def test_capi_on_arm64_under_qemu(tmp_path):
     cc, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
     if not (cc and qemu):
         pytest.skip("needs aarch64-linux-gnu-gcc and qemu-aarch64 (apt-get install gcc-aarch64-linux-gnu qemu-user)")
-    exe = tmp_path / "test_capi_arm64"
-    _run([cc, "-O2", "-std=gnu99", "-fopenmp", "-static", f"-I{SRC}", str(REPO / "tests" / "c" / "test_capi.c"),
-          *(str(SRC / n) for n in CORE), "-o", str(exe), "-lm"])
+    exe = _build_capi(tmp_path, cc, "-static")   # the manifest asks cc for its target
+    assert not list(tmp_path.glob("kernels_avx*.o")), "x86-64 kernels in an arm64 build"
     result = _run([qemu, str(exe)])
     assert "neon: checked" in result.stdout, result.stdout
     _check_summary(result)
+
+
+def test_manifest_lists_every_c_source():
+    """A .c file in src_c/ that the manifest does not name would be left out of every build."""
+    listed = MANIFEST.SOURCES + [name for name, _, _ in MANIFEST.ISA_X86_64]
+    assert sorted(listed) == sorted(p.name for p in SRC.glob("*.c"))
+
+
+X86_64 = ["x86_64", "AMD64", "linux-x86_64", "macosx-10.9-x86_64", "x86_64-linux-gnu"]
+OTHER = ["aarch64", "arm64", "macosx-11.0-arm64", "macosx-10.9-universal2", "aarch64-linux-gnu"]
+
+
+@pytest.mark.parametrize("target", X86_64 + OTHER)
+def test_manifest_gives_per_isa_kernels_to_x86_64_only(target):
+    paths = [path for path, _ in MANIFEST.steps(target)]
+    avx = [path for path in paths if "avx" in path]
+    if target in X86_64:
+        assert avx == ["src_c/kernels_avx2.c", "src_c/kernels_avx512.c"]
+        assert "-DFA_HAVE_AVX512" in MANIFEST.cflags(target)
+    else:
+        assert avx == [] and MANIFEST.macros(target) == []
+    assert paths[:len(MANIFEST.SOURCES)] == [f"src_c/{n}" for n in MANIFEST.SOURCES]
+
+
+def test_manifest_flags_keep_fma_and_portability():
+    flags = [f for _, own in MANIFEST.steps("x86_64") for f in own] + MANIFEST.cflags("x86_64")
+    assert "-std=gnu99" in flags and "-std=c99" not in flags   # c99 turns FMA contraction off
+    assert not {"-ffast-math", "-march=native"} & set(flags)

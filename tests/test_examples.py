@@ -1,44 +1,46 @@
-"""The examples run as documented: examples/c/decode.c built with the plain
-`cc` line of examples/README.md (src_c/ only, no Python) passes its own
-checks, and examples/transformer.py generates the same tokens with fastattn
-and with NumPy attention, and exits 1 when they differ."""
+"""The examples run as documented: examples/c/decode.c built by the one
+command of examples/README.md (src_c/manifest.py's library, no Python in the
+program) passes its own checks, and examples/transformer.py generates the same
+tokens with fastattn and with NumPy attention, and exits 1 when they differ."""
 import importlib.util
 import os
-import pathlib
 import re
+import shlex
 import shutil
 import subprocess
 import sys
 
 import pytest
+from _helpers import REPO, c_manifest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
-# The README's build line, verbatim: the test builds exactly what users are told to.
-CC_LINE = ("cc -O2 -std=gnu99 -fopenmp -Isrc_c examples/c/decode.c src_c/attention.c src_c/pool.c src_c/dispatch.c "
-           "src_c/kernels_scalar.c src_c/kernels_vec128.c -o decode -lm")
+# The build command of the READMEs and decode.c, verbatim: the test runs
+# exactly what users are told to, into a temporary folder.
+BUILD = "python3 src_c/manifest.py lib --program examples/c/decode.c"
 
 
 def _run(cmd, **kw):
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, **kw)
 
 
-def test_readme_shows_the_build_line():
-    assert CC_LINE in (EXAMPLES / "README.md").read_text()
-    assert CC_LINE in (EXAMPLES / "c" / "decode.c").read_text().split("*/")[0]
+def test_readmes_show_the_build_command():
+    assert BUILD in (EXAMPLES / "README.md").read_text()
+    assert BUILD in (EXAMPLES / "c" / "decode.c").read_text().split("*/")[0]
+    readme = (REPO / "README.md").read_text()
+    manifest = c_manifest()
+    assert BUILD.split(" --program")[0] in readme
+    assert shlex.join([manifest.OPENMP, *manifest.LIBS]) in readme   # how to link against the library
 
 
 @pytest.fixture(scope="module")
 def decode_binary(tmp_path_factory):
-    cc = shutil.which("cc")
-    if cc is None:
+    if shutil.which(os.environ.get("CC", "cc")) is None:
         pytest.skip("no C compiler `cc` on PATH")
-    exe = tmp_path_factory.mktemp("decode") / "decode"
-    cmd = [cc if w == "cc" else w for w in CC_LINE.split()]
-    cmd[cmd.index("-o") + 1] = str(exe)
+    out = tmp_path_factory.mktemp("decode")
+    cmd = [sys.executable, *shlex.split(BUILD)[1:], "--out", str(out)]
     r = _run(cmd)
-    assert r.returncode == 0, f"{' '.join(cmd)} failed:\n{r.stderr}"
-    return exe
+    assert r.returncode == 0, f"{shlex.join(cmd)} failed:\n{r.stdout}\n{r.stderr}"
+    return out / "decode"
 
 
 @pytest.mark.parametrize("isa, threads", [(None, "2"), ("scalar", "1")])

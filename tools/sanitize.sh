@@ -110,21 +110,11 @@ run "pytest (all but $LEAK_TEST)" \
 ASAN_OPTIONS=$asan_common:quarantine_size_mb=0 run "pytest $LEAK_TEST (quarantine off)" \
     "$venv/bin/pytest" -q --capture=sys -p no:cacheprovider tests/test_errors.py -k "$LEAK_TEST"
 
-# The C API program, instrumented the same way (no preload: it links the runtime).
-flags=(-std=gnu99 -fopenmp -Isrc_c $san_cflags)
-objects=()
-case "$(uname -m)" in
-x86_64 | amd64)
-    flags+=(-DFA_HAVE_AVX2 -DFA_HAVE_AVX512)
-    "$tmp/cc" "${flags[@]}" -mavx2 -mfma -c src_c/kernels_avx2.c -o "$tmp/kernels_avx2.o"
-    "$tmp/cc" "${flags[@]}" -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx2 -mfma \
-        -c src_c/kernels_avx512.c -o "$tmp/kernels_avx512.o"
-    objects=("$tmp/kernels_avx2.o" "$tmp/kernels_avx512.o")
-    ;;
-esac
-"$tmp/cc" "${flags[@]}" tests/c/test_capi.c src_c/attention.c src_c/pool.c src_c/dispatch.c src_c/kernels_scalar.c \
-    src_c/kernels_vec128.c "${objects[@]}" -o "$tmp/test_capi" -lm
-LD_PRELOAD= run "C API program (tests/c/test_capi.c)" "$tmp/test_capi"
+# The C API program, instrumented the same way (no preload: it links the
+# runtime), linked against the library that src_c/manifest.py builds.
+LD_PRELOAD= "$py" src_c/manifest.py lib --cc "$tmp/cc" --out "$tmp/capi" --cflags="$san_cflags" \
+    --program tests/c/test_capi.c >>"$log"
+LD_PRELOAD= run "C API program (tests/c/test_capi.c)" "$tmp/capi/test_capi"
 
 # Belt and braces: any report anywhere (the log, or a child's ASan log file)
 # fails the run even if an exit status was lost on the way. ASan's files also

@@ -10,7 +10,8 @@
 # program's own "every ISA this CPU runs" loop checks avx2, sse2 and scalar
 # there (the avx512 set is skipped, not forced: FASTATTN_ISA=avx512 would fall
 # back). The script checks that avx2 really ran where the CPU has it.
-# Build: the same compile command as tests/test_c_api.py, with -O1 -g.
+# Build: the library and program of src_c/manifest.py (as tests/test_c_api.py),
+# with -O1 -g after the manifest's flags.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -22,19 +23,8 @@ log=$log_dir/valgrind.log
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
-flags=(-O1 -g -fno-omit-frame-pointer -std=gnu99 -fopenmp -Isrc_c)
-objects=()
-case "$(uname -m)" in
-x86_64 | amd64)
-    flags+=(-DFA_HAVE_AVX2 -DFA_HAVE_AVX512)
-    "$CC" "${flags[@]}" -mavx2 -mfma -c src_c/kernels_avx2.c -o "$tmp/kernels_avx2.o"
-    "$CC" "${flags[@]}" -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx2 -mfma \
-        -c src_c/kernels_avx512.c -o "$tmp/kernels_avx512.o"
-    objects=("$tmp/kernels_avx2.o" "$tmp/kernels_avx512.o")
-    ;;
-esac
-"$CC" "${flags[@]}" tests/c/test_capi.c src_c/attention.c src_c/pool.c src_c/dispatch.c src_c/kernels_scalar.c \
-    src_c/kernels_vec128.c "${objects[@]}" -o "$tmp/test_capi" -lm
+python3 src_c/manifest.py lib --cc "$CC" --out "$tmp" --cflags="-O1 -g -fno-omit-frame-pointer" \
+    --program tests/c/test_capi.c >/dev/null
 
 # libgomp keeps its worker threads alive until exit; their thread-local storage
 # shows as "possibly lost" (a known false positive of every OpenMP program).

@@ -1,11 +1,12 @@
 /* decode.c — decoding steps against a growing KV cache, through fastattn's C API only.
  *
- * Build from the repository root (plain C, no Python; works on any CPU):
+ * Build from the repository root (plain C, no Python in the program; any CPU):
  *
- *   cc -O2 -std=gnu99 -fopenmp -Isrc_c examples/c/decode.c src_c/attention.c src_c/pool.c src_c/dispatch.c src_c/kernels_scalar.c src_c/kernels_vec128.c -o decode -lm
+ *   python3 src_c/manifest.py lib --program examples/c/decode.c
  *
- * Run: ./decode [steps [threads]]. The AVX2/AVX-512 kernels are optional extras, each
- * compiled into its own object with its own flags (see examples/README.md).
+ * which compiles build/c/libfastattn.a (every kernel set for cc's target, each file with
+ * its own flags), links this file against it and prints each command it runs.
+ * Run: build/c/decode [steps [threads]].
  *
  * A (1, HKV, capacity, E) cache is allocated once; each step appends one token's key and
  * value per KV head, then one query row per query head (grouped-query, HQ/HKV heads per

@@ -1,0 +1,161 @@
+"""src_c/manifest.py — the one list of fastattn's C sources and how to compile them.
+
+Owns: the .c files of the library, the per-ISA micro-kernels with the macro
+and flags each needs, the common flags and the OpenMP flag. setup.py, the C
+tests, tools/*.sh and the docs read it. Not here: OpenMP detection (setup.py
+probes the compiler) and headers (found by glob). Stdlib only, Python >= 3.9,
+loaded by file path. Paths are relative to the repository root: run it there.
+
+    python3 src_c/manifest.py lib [--cc CC] [--out DIR] [--cflags FLAGS] [--program FILE.c]
+    python3 src_c/manifest.py cc-line [--target x86_64|aarch64] [--cc CC] [FILE.c ...] [-o EXE]
+    python3 src_c/manifest.py flags | sources [--target x86_64|aarch64]
+"""
+import argparse
+import os
+import platform
+import shlex
+import subprocess
+import sys
+
+SRC = "src_c"
+OUT = "build/c"
+LIB = "libfastattn.a"
+
+# Every .c file of the library but the per-ISA ones; a new source is one more
+# name here. Compiled with the common flags only, on every architecture:
+# kernels_vec128.c is SSE2 on x86-64 and NEON on arm64, both baseline there.
+SOURCES = ["attention.c", "check.c", "plan.c", "pool.c", "dispatch.c", "kernels_scalar.c", "kernels_vec128.c"]
+
+# x86-64 only: (file, macro, flags). Only these files may hold AVX/AVX-512
+# instructions, so each is compiled alone with its own flags; dispatch.c picks
+# one at run time, and the library still runs on a CPU without them. The
+# macros go to every file, so that all agree on which kernels exist.
+ISA_X86_64 = [
+    ("kernels_avx2.c", "FA_HAVE_AVX2", ["-mavx2", "-mfma"]),
+    ("kernels_avx512.c", "FA_HAVE_AVX512",
+     ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"]),
+]
+
+# -std=gnu99, not c99: strict ISO mode sets -ffp-contract=off, which turns
+# every a*b+c into two roundings and loses the FMA (and the exp2 error bound
+# the tests hold the kernels to). -fno-math-errno lets expf and sqrtf inline.
+# Never -ffast-math (it breaks inf/NaN handling of masked rows), never
+# -march=native (a build must run on any CPU of its architecture).
+FLAGS = ["-O3", "-std=gnu99", "-fno-math-errno", "-Wall"]
+OPENMP = "-fopenmp"  # compile and link (setup.py also tries Apple clang's spelling)
+LIBS = ["-lm"]
+
+
+def is_x86_64(target):
+    """target: a machine (x86_64, AMD64, aarch64, arm64), a platform tag
+    (linux-x86_64, macosx-11.0-arm64) or a compiler triple (x86_64-linux-gnu).
+    A macOS universal2 build is not: one flag list cannot serve both halves."""
+    return any(part in ("x86_64", "amd64") for part in target.lower().split("-"))
+
+
+def isa_kernels(target):
+    """(file, macro, flags) of the per-ISA kernels for target: none off x86-64."""
+    return ISA_X86_64 if is_x86_64(target) else []
+
+
+def macros(target):
+    return [macro for _, macro, _ in isa_kernels(target)]
+
+
+def steps(target):
+    """The compile steps for target, one per source: (path, flags of its own).
+    Each also takes cflags(target)."""
+    return ([(f"{SRC}/{name}", []) for name in SOURCES]
+            + [(f"{SRC}/{name}", list(own)) for name, _, own in isa_kernels(target)])
+
+
+def cflags(target, extra=()):
+    """Flags for every file: common, OpenMP, the caller's (later ones win), headers, macros."""
+    return [*FLAGS, OPENMP, *extra, f"-I{SRC}", *(f"-D{m}" for m in macros(target))]
+
+
+def link_command(cc, programs, inputs, exe, target, extra=()):
+    """cc compiling and linking programs with inputs (a library, objects or sources)."""
+    return [cc, *cflags(target, extra), *programs, *inputs, "-o", exe, *LIBS]
+
+
+def _object(out, path):
+    return os.path.join(out, os.path.basename(path)[:-2] + ".o")
+
+
+def cc_line(target, cc="cc", programs=("your.c",), exe="your"):
+    """One shell line that builds programs with the sources, no library: the
+    per-ISA kernels first, each alone into an object next to exe."""
+    out, commands, objects = os.path.dirname(exe), [], []
+    for path, own in steps(target):
+        if own:
+            objects.append(_object(out, path))
+            commands.append([cc, *cflags(target), *own, "-c", path, "-o", objects[-1]])
+    common = [path for path, own in steps(target) if not own]
+    commands.append(link_command(cc, programs, common + objects, exe, target))
+    return " && ".join(shlex.join(c) for c in commands)
+
+
+def _ask(cc, flag):
+    return subprocess.run([cc, flag], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def build_lib(cc="cc", out=OUT, extra=(), target=None, program=None):
+    """Build out/libfastattn.a for the machine cc builds for (`cc -dumpmachine`,
+    so a cross compiler gets its own kernels), printing each command; with
+    program, also link out/<its name> against it. Returns the library's path."""
+    target = target or _ask(cc, "-dumpmachine")
+    os.makedirs(out, exist_ok=True)
+
+    def run(cmd):
+        print(shlex.join(cmd), flush=True)
+        subprocess.run(cmd, check=True)
+
+    objects = []
+    for path, own in steps(target):
+        objects.append(_object(out, path))
+        run([cc, *cflags(target, extra), *own, "-c", path, "-o", objects[-1]])
+    lib = os.path.join(out, LIB)
+    if os.path.exists(lib):
+        os.remove(lib)  # `ar r` adds to an archive: a member from an older build would stay
+    run([os.environ.get("AR") or _ask(cc, "-print-prog-name=ar"), "rcs", lib, *objects])
+    if program:
+        exe = os.path.join(out, os.path.splitext(os.path.basename(program))[0])
+        run(link_command(cc, [program], [lib], exe, target, extra))
+    return lib
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="src_c/manifest.py", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    lib = sub.add_parser("lib", help=f"build DIR/{LIB} with every kernel for CC's target")
+    lib.add_argument("--cc", default=os.environ.get("CC", "cc"))
+    lib.add_argument("--out", default=OUT, metavar="DIR")
+    lib.add_argument("--cflags", default="", help="added after the manifest's flags (later ones win)")
+    lib.add_argument("--program", metavar="FILE.c", help="also link DIR/FILE against the library")
+    line = sub.add_parser("cc-line", help="print one shell line that builds FILE.c with the sources")
+    line.add_argument("programs", nargs="*", default=["your.c"], metavar="FILE.c")
+    line.add_argument("-o", dest="exe", default=None)
+    line.add_argument("--cc", default="cc")
+    for name in ("flags", "sources"):
+        sub.add_parser(name, help=f"print the {name} for the target")
+    for s in sub.choices.values():
+        s.add_argument("--target", default=None, help="default: this machine (lib: CC's target)")
+    a = p.parse_args(argv)
+    target = a.target or platform.machine()
+    if a.command == "lib":
+        build_lib(a.cc, a.out, shlex.split(a.cflags), a.target, a.program)
+    elif a.command == "cc-line":
+        print(cc_line(target, a.cc, a.programs, a.exe or os.path.splitext(a.programs[0])[0]))
+    elif a.command == "sources":
+        print("\n".join(path for path, _ in steps(target)))
+    else:
+        print(shlex.join(cflags(target)))
+        for path, own in steps(target):
+            if own:
+                print(f"{path}: {shlex.join(own)}")
+        print(f"link: {shlex.join([OPENMP, *LIBS])}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
