@@ -2,7 +2,8 @@
 
 This file owns the log-sum-exp combination of partial results, each computed
 by `fastattn.attention(..., return_lse=True)` over its own keys (another
-thread, process or machine holding part of a long cache). It is plain NumPy
+thread, process or machine holding part of a long cache), and the attention
+sink, which belongs to no part and is applied once, here. It is plain NumPy
 on (..., L, Ev) outputs; it does not compute attention itself.
 """
 import numpy as np
@@ -10,19 +11,22 @@ import numpy as np
 __all__ = ["merge_attention"]
 
 
-def merge_attention(outs, lses):
+def merge_attention(outs, lses, sinks=None):
     """Combine attention results over disjoint key sets into the full result.
 
     If part i attended to keys K_i (disjoint from the others) and returned
     ``out_i`` and ``lse_i = log Σ_{j ∈ K_i} exp(s_j)``, then over all keys::
 
-        lse = log Σ_i exp(lse_i)                  (computed with the row max subtracted)
+        lse = log (Σ_i exp(lse_i) + exp(sink))    (computed with the row max subtracted)
         out = Σ_i exp(lse_i - lse) · out_i
 
-    which is exactly attention over the union. A row that sees no key in
-    any part (every ``lse_i`` is -inf) gets zeros and lse -inf, as
-    :func:`fastattn.attention` gives for such a row; a part whose row is
-    empty (-inf) contributes nothing, whatever its output holds.
+    which is exactly attention over the union, with the sink (if any)
+    applied once: the parts must have been computed *without* ``sinks``,
+    and their positions (``k_start``) must place each part's keys where
+    they sit in the whole. A row that sees no key in any part (every
+    ``lse_i`` is -inf) gets zeros and lse -inf (lse = its sink, with
+    ``sinks``), as :func:`fastattn.attention` gives for such a row; a part
+    whose row is empty (-inf) contributes nothing, whatever its output holds.
 
     Parameters
     ----------
@@ -31,6 +35,11 @@ def merge_attention(outs, lses):
     lses : sequence of array_like, each (..., L)
         Their log-sum-exps (``return_lse=True``), one per output, with the
         outputs' shape less the last axis.
+    sinks : array_like of float, shape (Hq,), optional
+        One sink logit per query head, as ``sinks=`` of
+        :func:`fastattn.attention`: broadcast against the lses'
+        (..., Hq, L) as ``sinks[:, None]`` (1-D lses, from 2-D calls, have
+        Hq = 1). -inf means no sink for that head; NaN and +inf are errors.
 
     Returns
     -------
@@ -42,10 +51,10 @@ def merge_attention(outs, lses):
     Raises
     ------
     ValueError
-        If there are no parts, a different number of outputs and lses, or
-        shapes that differ or do not match.
+        If there are no parts, a different number of outputs and lses,
+        shapes that differ or do not match, or a sink that is NaN or +inf.
     TypeError
-        If an input is not floating point.
+        If an input is not floating point, or ``sinks`` not real numbers.
 
     Examples
     --------
@@ -56,6 +65,10 @@ def merge_attention(outs, lses):
     ...          for a, b in [(0, 1), (1, 4)]]
     >>> out, lse = merge_attention(*zip(*parts))
     >>> bool(np.allclose(out, fastattn.attention(q, k, v)))
+    True
+    >>> sinks = np.array([0.5])
+    >>> out, lse = merge_attention(*zip(*parts), sinks=sinks)
+    >>> bool(np.allclose(out, fastattn.reference.attention(q, k, v, sinks=sinks)))
     True
     """
     outs = [np.asarray(o) for o in outs]
@@ -79,16 +92,21 @@ def merge_attention(outs, lses):
                 f"lses[{i}] must have the outputs' shape without the last axis, {shape[:-1]}; "
                 f"got {s.shape}")
     dtype = np.result_type(*outs, *lses)
+    if sinks is not None:
+        sinks = _sink_logits(sinks, shape[:-1])
+
 
     # The weights are computed in float64 whatever the dtype: lse values of a
     # few thousand (large logits) lose all their fraction bits in float32.
     lse64 = [s.astype(np.float64) for s in lses]
-    m = np.maximum.reduce(lse64) if len(lse64) > 1 else lse64[0].copy()
+    # The sink is one more term of the sum, a part with no value.
+    terms = lse64 if sinks is None else [*lse64, np.broadcast_to(sinks, shape[:-1])]
+    m = np.maximum.reduce(terms) if len(terms) > 1 else terms[0].copy()
     # Rows empty in every part have m = -inf; shifting by 0 there keeps
     # exp(-inf - 0) = 0 instead of exp(-inf + inf) = NaN.
     shift = np.where(m == -np.inf, 0.0, m)
     total = np.zeros_like(shift)
-    for s in lse64:
+    for s in terms:
         total += np.exp(s - shift)  # Σ exp(lse_i - m), each term ≤ 1: no overflow
     with np.errstate(divide="ignore"):
         lse = shift + np.log(total)  # log 0 = -inf for the empty rows
@@ -102,3 +120,21 @@ def merge_attention(outs, lses):
         # so whatever its output holds (zeros, or NaN from a caller) stays out.
         out += np.where(live[..., None], w[..., None].astype(dtype) * o, 0)
     return out, lse.astype(dtype)
+
+
+def _sink_logits(sinks, lse_shape):
+    """``sinks`` (Hq,) as float64 shaped to broadcast against (..., Hq, L)."""
+    a = np.asarray(sinks)
+    if a.dtype.kind not in "iuf":
+        raise TypeError(f"sinks must hold real numbers; got dtype {a.dtype}")
+    Hq = lse_shape[-2] if len(lse_shape) >= 2 else 1  # 1-D lses: one head
+    if a.shape != (Hq,):
+        raise ValueError(
+            f"sinks must have shape (Hq,) = ({Hq},), one logit per query head (axis -2 of "
+            f"the lses, shape {lse_shape}); got shape {a.shape}")
+    bad = np.isnan(a) | (a == np.inf)
+    if bad.any():
+        h = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"sinks must not be NaN or +inf (-inf means no sink); got {a[h]} for head {h}")
+    a = a.astype(np.float64)
+    return a[:, None] if len(lse_shape) >= 2 else a.reshape(())
