@@ -88,6 +88,12 @@ def _check_mask(mask, dtype, scores_shape):
     if m.dtype == np.bool_:
         m = m.view(np.uint8)
     elif m.dtype.kind == "f":
+        if m.dtype.itemsize > dtype.itemsize:
+            # A float64 mask on float32 inputs: finite values beyond float32's
+            # range (a padding mask of finfo(float64).min) stay huge and
+            # finite, as the reference treats them, instead of becoming ±inf.
+            lim = np.finfo(dtype)
+            m = np.where(np.isfinite(m), np.clip(m, lim.min, lim.max), m)
         m = m.astype(dtype, copy=False)
     else:
         raise TypeError(
@@ -150,6 +156,72 @@ def _check_out(out, shape, dtype, inputs):
             raise ValueError(f"out must not overlap its inputs; it shares memory with {name}")
 
 
+def _check_softcap(softcap):
+    """0.0 (off) or the cap: a finite positive real."""
+    if softcap is None:
+        return 0.0
+    if not isinstance(softcap, numbers.Real) or isinstance(softcap, (bool, np.bool_)):
+        raise TypeError(f"softcap must be None or a positive real number; got {softcap!r}")
+    c = float(softcap)
+    if not (c > 0 and math.isfinite(c)):
+        raise ValueError(f"softcap must be a finite number > 0 (None: off); got {c}")
+    return c
+
+
+def _real_array(x, name):
+    a = np.asarray(x)
+    if a.dtype.kind not in "fiu" or a.dtype == np.bool_:
+        raise TypeError(f"{name} must hold real numbers; got dtype {a.dtype}")
+    return a.astype(np.float64)
+
+
+def _check_slopes(slopes, batch, Hq):
+    """ALiBi slopes broadcast to batch + (Hq,), float64."""
+    a = _real_array(slopes, "alibi_slopes")
+    try:
+        full = np.broadcast_shapes(a.shape, batch + (Hq,))
+    except ValueError:
+        full = None
+    if full != batch + (Hq,):
+        raise ValueError(
+            f"alibi_slopes must have shape (Hq,) = ({Hq},) or broadcast to the batch and heads "
+            f"{batch + (Hq,)}; got shape {_shape(a)}")
+    if not np.isfinite(a).all():
+        raise ValueError("alibi_slopes must be finite; got NaN or inf")
+    return np.broadcast_to(a, batch + (Hq,))
+
+
+def _check_sinks(sinks, Hq):
+    """One sink logit per query head, float64, contiguous; -inf means none."""
+    a = _real_array(sinks, "sinks")
+    if a.shape != (Hq,):
+        raise ValueError(f"sinks must have shape (Hq,) = ({Hq},), one logit per query head; "
+                         f"got shape {_shape(a)}")
+    if np.isnan(a).any() or (a == np.inf).any():
+        raise ValueError("sinks must not be NaN or +inf (-inf: no sink for that head)")
+    return np.ascontiguousarray(a)
+
+
+_POSITION_LIMIT = 2**60
+
+
+def _check_start(start, name, batch):
+    """A global position per batch entry (int64, broadcast to the batch shape)."""
+    if isinstance(start, numbers.Integral) and not isinstance(start, (bool, np.bool_)) and (
+            abs(int(start)) > _POSITION_LIMIT):  # also Python ints past int64
+        raise ValueError(f"{name} must lie within +-2**60; got {int(start)}")
+    a = np.asarray(start)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an int or integers (one per batch entry); got dtype {a.dtype}")
+    try:
+        a = np.broadcast_to(a, batch)
+    except ValueError:
+        raise ValueError(f"{name} of shape {_shape(a)} does not broadcast to the batch shape {batch}") from None
+    if a.size and (int(a.max()) > _POSITION_LIMIT or int(a.min()) < -_POSITION_LIMIT):
+        raise ValueError(f"{name} must lie within +-2**60; got values from {a.min()} to {a.max()}")
+    return a.astype(np.int64)
+
+
 def _scale(scale, E):
     if scale is None:
         return 1.0 / math.sqrt(E)
@@ -174,7 +246,8 @@ def _threads(num_threads):
 
 
 def attention(q, k, v, *, mask=None, causal=False, window=None, kv_lengths=None,
-              scale=None, out=None, return_lse=False, num_threads=None):
+              scale=None, out=None, return_lse=False, num_threads=None, softcap=None,
+              alibi_slopes=None, sinks=None, q_start=None, k_start=None, return_weights=False):
     """Scaled dot-product attention, ``softmax(q kᵀ · scale + mask) v``.
 
     Parameters
@@ -215,15 +288,49 @@ def attention(q, k, v, *, mask=None, causal=False, window=None, kv_lengths=None,
         OpenMP threads; default ``omp_get_max_threads()`` (so
         ``OMP_NUM_THREADS`` and threadpoolctl apply). The result is bitwise the
         same for every value.
+    softcap : float, optional
+        Caps the scaled scores: ``s -> softcap * tanh(s / softcap)`` (Gemma 2),
+        before ALiBi and the masks.
+    alibi_slopes : array_like, (Hq,) or broadcastable to (..., Hq), optional
+        Adds the ALiBi bias ``-slope[h] * |j - d(i)|``, ``d(i)`` the row's
+        diagonal (as for causal and window). On causal rows this equals
+        BLOOM's ``slope * j`` up to a per-row constant, which the softmax
+        ignores.
+    sinks : array_like, (Hq,), optional
+        A logit per query head that joins the softmax denominator and adds no
+        value (gpt-oss, StreamingLLM); a row whose keys are all hidden then
+        gives zeros. The returned lse includes it. To split keys over calls,
+        compute the parts without ``sinks`` and pass them to
+        ``merge_attention(..., sinks=)``, which applies the sink once.
+    q_start, k_start : int or array_like of int, optional
+        Global positions of query row 0 and key 0 (broadcast to the batch
+        shape; default 0 when the other is given). Then row i sits at
+        ``q_start + i`` and key j at ``k_start + j`` for causal, window and
+        ALiBi, overriding the alignment rule: a shard of a cache gets
+        exactly its part of the full attention.
+    return_weights : bool
+        Also return the attention weights (..., Hq, L, S), computed from the
+        kernel's own lse in a second pass (``exp(masked scores - lse)``).
+        For inspecting and teaching: refused above 2**22 weights.
 
     Returns
     -------
     out : ndarray, (..., Hq, L, Ev)
-        A row with no visible key is 0 (its lse is -inf), never NaN.
+        A row with no visible key is 0 (its lse is -inf, or the sink), never NaN.
     lse : ndarray, (..., Hq, L)
         Only with ``return_lse=True``.
+    weights : ndarray, (..., Hq, L, S)
+        Only with ``return_weights=True``; last.
     """
+    modifiers = dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, q_start=q_start,
+                     k_start=k_start)
+    if return_weights:
+        return _with_weights(q, k, v, mask=mask, causal=causal, window=window, kv_lengths=kv_lengths,
+                             scale=scale, out=out, return_lse=return_lse, num_threads=num_threads,
+                             **modifiers)
     if (mask is None and window is None and not return_lse
+            and softcap is None and alibi_slopes is None and sinks is None
+            and q_start is None and k_start is None
             and (causal is False or causal is True)
             and (scale is None or type(scale) is float and scale != 0 and math.isfinite(scale))
             and (num_threads is None or type(num_threads) is int and 0 < num_threads < 2**31)):
@@ -234,7 +341,34 @@ def attention(q, k, v, *, mask=None, causal=False, window=None, kv_lengths=None,
         if result is not None:
             return result
     return _run(_prepare(q, k, v, mask=mask, causal=causal, window=window, kv_lengths=kv_lengths,
-                         scale=scale, out=out, return_lse=return_lse, num_threads=num_threads))
+                         scale=scale, out=out, return_lse=return_lse, num_threads=num_threads,
+                         **modifiers))
+
+
+WEIGHTS_LIMIT = 2**22
+
+
+def _with_weights(q, k, v, *, return_lse, **kw):
+    """attention(..., return_weights=True): the call with its lse, then the
+    weights exp(masked scores − lse) in a second pass, in the inputs' dtype.
+    The masked scores come from the reference's own steps (the definition),
+    the normaliser from the kernel."""
+    from fastattn import reference
+    p = _prepare(q, k, v, return_lse=True, **kw)
+    L, S = p.out.shape[-2], np.shape(k)[-2]
+    n = math.prod(p.out.shape[:-1]) * S
+    if n > WEIGHTS_LIMIT:
+        raise ValueError(
+            f"return_weights would build {n} weights (..., L, S); at most {WEIGHTS_LIMIT} (2**22) are "
+            "allowed: it is for inspecting small calls")
+    out, lse = _run(p)
+    ref_kw = {n: x for n, x in kw.items() if n not in ("out", "num_threads")}
+    masked = reference.attention_steps(np.asarray(q), np.asarray(k), np.asarray(v), dtype=p.out.dtype,
+                                       **ref_kw).masked
+    with np.errstate(invalid="ignore"):
+        weights = np.exp(masked - lse[..., None])
+    weights[np.isneginf(masked)] = 0  # hidden keys, and rows with none visible (−inf − −inf)
+    return (out, lse, weights) if return_lse else (out, weights)
 
 
 def attention_with(q, k, v, strategy, **kwargs):
@@ -251,14 +385,20 @@ def plan(q, k, v, strategy=None, **kwargs):
     threads, row_blocks, key_chunks, items, serial, key_block). Runs nothing."""
     p = _prepare(q, k, v, **kwargs)
     return [_kernel.plan(c["q"], c["k"], c["v"], c["out"], c["lse"], c["mask"], *p.flags, c["lens"],
-                         *p.scale_threads, force=strategy) for c in p.calls]
+                         *p.scale_threads, force=strategy, mods=p.modifiers(c)) for c in p.calls]
 
 
 class _Prepared:
     """A validated call: the kernel calls that cover it and their shared flags."""
 
-    def __init__(self, calls, flags, scale_threads, out, lse):
+    def __init__(self, calls, flags, scale_threads, out, lse, mods):
         self.calls, self.flags, self.scale_threads, self.out, self.lse = calls, flags, scale_threads, out, lse
+        self.mods = mods
+
+    def modifiers(self, c):
+        """The binding's mods dict for kernel call c, or None when none is on."""
+        m = dict(self.mods, **{n: c[n] for n in _PER_BATCH[1:]})
+        return m if any(x is not None for x in m.values()) else None
 
 
 def _run(p, force=None):
@@ -266,12 +406,13 @@ def _run(p, force=None):
     for check_only in (True, False):
         for c in p.calls:
             _kernel.attention(c["q"], c["k"], c["v"], c["out"], c["lse"], c["mask"], *p.flags, c["lens"],
-                              *p.scale_threads, check_only, force)
+                              *p.scale_threads, check_only, force, p.modifiers(c))
     return p.out if p.lse is None else (p.out, p.lse)
 
 
 def _prepare(q, k, v, *, mask=None, causal=False, window=None, kv_lengths=None, scale=None, out=None,
-             return_lse=False, num_threads=None):
+             return_lse=False, num_threads=None, softcap=None, alibi_slopes=None, sinks=None,
+             q_start=None, k_start=None):
     """Every check of ``attention``'s arguments, then the 4-D views C reads."""
     q = _as_input(q, "q")
     k = _as_input(k, "k")
@@ -312,6 +453,11 @@ def _prepare(q, k, v, *, mask=None, causal=False, window=None, kv_lengths=None, 
     nt = _threads(num_threads)
     m = None if mask is None else _check_mask(mask, dtype, lead + (L, S))
     lens = None if kv_lengths is None else _check_kv_lengths(kv_lengths, batch, S)
+    cap = _check_softcap(softcap)
+    slopes = None if alibi_slopes is None else _check_slopes(alibi_slopes, batch, Hq)
+    sink_logits = None if sinks is None else _check_sinks(sinks, Hq)
+    q_start = None if q_start is None else _check_start(q_start, "q_start", batch)
+    k_start = None if k_start is None else _check_start(k_start, "k_start", batch)
     if out is not None:
         _check_out(out, out_shape, dtype, (("q", q), ("k", k), ("v", v), ("mask", mask),
                                           ("kv_lengths", kv_lengths)))
@@ -320,8 +466,10 @@ def _prepare(q, k, v, *, mask=None, causal=False, window=None, kv_lengths=None, 
     lse = np.empty(lead + (L,), dtype) if return_lse else None
 
     q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
-    calls = _calls(batch, q, k, v, out, lse, m, lens, Hq, L, S)
-    return _Prepared(calls, (causal_flag, align, wl, wr), (s, nt), out, lse)
+    per_batch = {"lens": lens, "alibi_slopes": slopes, "q_start": q_start, "k_start": k_start}
+    calls = _calls(batch, q, k, v, out, lse, m, per_batch, Hq, L, S)
+    return _Prepared(calls, (causal_flag, align, wl, wr), (s, nt), out, lse,
+                     {"softcap": cap, "sinks": sink_logits})
 
 
 def _causal(causal):
@@ -332,9 +480,16 @@ def _causal(causal):
             f"causal must be False, True, 'bottom_right' or 'top_left'; got {causal!r}") from None
 
 
-def _calls(batch, q, k, v, out, lse, mask, lens, Hq, L, S):
+# Arrays with one entry (or one row of Hq) per batch entry, contiguous for C:
+# kv_lengths, and the modifiers alibi_slopes, q_start, k_start.
+_PER_BATCH = ("lens", "alibi_slopes", "q_start", "k_start")
+
+
+def _calls(batch, q, k, v, out, lse, mask, per_batch, Hq, L, S):
     """The kernel calls that cover the batch: one when every tensor's batch
-    axes merge into one strided axis, else one per index of the outer axes."""
+    axes merge into one strided axis, else one per index of the outer axes.
+    per_batch holds the _PER_BATCH arrays (or None), each of the batch shape
+    (alibi_slopes: batch + (Hq,)); each call gets its own part, contiguous."""
     nb = len(batch)
     out4 = out if out.ndim == nb + 3 else out[None]
     lse4 = None if lse is None else (lse if lse.ndim == nb + 2 else lse[None])
@@ -342,23 +497,24 @@ def _calls(batch, q, k, v, out, lse, mask, lens, Hq, L, S):
         "q": _as_4d(q, batch), "k": _as_4d(k, batch), "v": _as_4d(v, batch), "out": out4,
         "lse": None if lse4 is None else lse4[..., None],
         "mask": None if mask is None else np.broadcast_to(mask, batch + (Hq, L, S)),
-        "lens": lens,
     }
-    merged = {n: (a if a is None or n == "lens" else _merge_batch(a, nb)) for n, a in full.items()}
+    merged = {n: (a if a is None else _merge_batch(a, nb)) for n, a in full.items()}
     if all(a is not None for n, a in merged.items() if full[n] is not None):
-        if lens is not None:
-            merged["lens"] = lens.reshape(-1)
-        if merged["lse"] is not None:
-            merged["lse"] = merged["lse"][..., 0]
-        return [merged]
-    calls = []
-    for idx in np.ndindex(batch[:-1]):
-        c = {n: (None if a is None else a[idx]) for n, a in full.items()}
-        if c["lens"] is not None:
-            c["lens"] = np.ascontiguousarray(c["lens"])
+        calls = [merged]
+        parts = {n: (None if a is None else a.reshape((-1,) + a.shape[nb:])) for n, a in per_batch.items()}
+        calls[0].update(parts)
+    else:
+        calls = []
+        for idx in np.ndindex(batch[:-1]):
+            c = {n: (None if a is None else a[idx]) for n, a in full.items()}
+            c.update({n: (None if a is None else a[idx]) for n, a in per_batch.items()})
+            calls.append(c)
+    for c in calls:
         if c["lse"] is not None:
             c["lse"] = c["lse"][..., 0]
-        calls.append(c)
+        for n in _PER_BATCH:
+            if c[n] is not None:
+                c[n] = np.ascontiguousarray(c[n])
     return calls
 
 

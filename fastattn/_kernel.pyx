@@ -37,6 +37,12 @@ cdef extern from "fastattn.h" nogil:
         const int64_t *kv_len
         void *lse
         int64_t lse_stride[3]
+        double softcap
+        const double *alibi_slopes
+        int64_t alibi_stride[2]
+        const double *sinks
+        const int64_t *q_start
+        const int64_t *k_start
         int num_threads
     int FA_F32, FA_F64, FA_MASK_NONE, FA_MASK_BOOL, FA_MASK_ADD, FA_ERR_NOMEM
     void fa_args_init(fa_args *args)
@@ -51,6 +57,7 @@ cdef extern from "fastattn.h" nogil:
 
 cdef extern from "internal.h" nogil:
     int fa_test_exp2(const char *isa, int dtype, const void *x, void *y, int64_t n)
+    int fa_test_softcap(const char *isa, int dtype, const void *x, void *y, int64_t n, double c)
     ctypedef struct fa_strategy:
         int layout
         int64_t rows_per_item, chunk_keys
@@ -76,7 +83,7 @@ cdef void _strides(cnp.ndarray x, int64_t *dst, int n):
 
 cdef int _fill(fa_args *a, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
                object lse, object mask, int causal, int align, int64_t wl, int64_t wr,
-               object kv_len, double scale, int num_threads) except -1:
+               object kv_len, double scale, int num_threads, object mods) except -1:
     fa_args_init(a)
     a.dtype = FA_F32 if q.dtype.itemsize == 4 else FA_F64
     a.B, a.Hq, a.L, a.E = q.shape[0], q.shape[1], q.shape[2], q.shape[3]
@@ -99,6 +106,30 @@ cdef int _fill(fa_args *a, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndar
         a.lse = cnp.PyArray_DATA(<cnp.ndarray>lse)
         _strides(<cnp.ndarray>lse, a.lse_stride, 3)
     a.num_threads = num_threads
+    if mods is not None:
+        _fill_modifiers(a, mods)
+    return 0
+
+
+cdef int _fill_modifiers(fa_args *a, dict mods) except -1:
+    # mods: softcap (float, 0 off), alibi_slopes float64 (B, Hq), sinks float64
+    # (Hq,) contiguous, q_start / k_start int64 (B,) contiguous; absent or None: off
+    cdef cnp.ndarray x
+    a.softcap = mods.get("softcap") or 0.0
+    x = mods.get("alibi_slopes")
+    if x is not None:
+        a.alibi_slopes = <const double *>cnp.PyArray_DATA(x)
+        a.alibi_stride[0] = cnp.PyArray_STRIDE(x, 0) // 8
+        a.alibi_stride[1] = cnp.PyArray_STRIDE(x, 1) // 8
+    x = mods.get("sinks")
+    if x is not None:
+        a.sinks = <const double *>cnp.PyArray_DATA(x)
+    x = mods.get("q_start")
+    if x is not None:
+        a.q_start = <const int64_t *>cnp.PyArray_DATA(x)
+    x = mods.get("k_start")
+    if x is not None:
+        a.k_start = <const int64_t *>cnp.PyArray_DATA(x)
     return 0
 
 
@@ -127,18 +158,19 @@ cdef int _strategy(fa_strategy *s, object force) except -1:
 
 
 def attention(q, k, v, out, lse, mask, int causal, int align, int64_t wl, int64_t wr,
-              kv_len, double scale, int num_threads, bint check_only=False, force=None):
+              kv_len, double scale, int num_threads, bint check_only=False, force=None, mods=None):
     """Runs (or, with check_only, only checks) one call on 4-D views.
 
     q (B, Hq, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev), out (B, Hq, L, Ev),
     lse (B, Hq, L) or None, mask (B, Hq, L, S) bool-as-uint8 or q's dtype, or
     None; kv_len int64 (B,) or None. Last axes contiguous, data aligned.
     force: a strategy to impose (see _strategy; tests only), or None.
+    mods: the score modifiers (see _fill_modifiers), or None.
     """
     cdef fa_args a
     cdef fa_strategy s
     cdef int rc
-    _fill(&a, q, k, v, out, lse, mask, causal, align, wl, wr, kv_len, scale, num_threads)
+    _fill(&a, q, k, v, out, lse, mask, causal, align, wl, wr, kv_len, scale, num_threads, mods)
     _strategy(&s, force)
     if check_only:
         rc = fa_check(&a)
@@ -153,13 +185,13 @@ def attention(q, k, v, out, lse, mask, int causal, int align, int64_t wl, int64_
 
 
 def plan(q, k, v, out, lse, mask, int causal, int align, int64_t wl, int64_t wr,
-         kv_len, double scale, int num_threads, force=None):
+         kv_len, double scale, int num_threads, force=None, mods=None):
     """What the driver decides for this call (arguments as attention's):
     a dict of layout, rows_per_item, chunk_keys, threads, row_blocks,
     key_chunks, items and serial. Runs nothing."""
     cdef fa_args a
     cdef fa_strategy s, d
-    _fill(&a, q, k, v, out, lse, mask, causal, align, wl, wr, kv_len, scale, num_threads)
+    _fill(&a, q, k, v, out, lse, mask, causal, align, wl, wr, kv_len, scale, num_threads, mods)
     _strategy(&s, force)
     rc = fa_plan_call(&a, &s, &d)
     if rc:
@@ -347,5 +379,18 @@ def exp2(x, isa):
     if cnp.PyArray_TYPE(xa) not in (cnp.NPY_FLOAT32, cnp.NPY_FLOAT64):
         raise TypeError(f"exp2 takes float32 or float64; got {x.dtype}")
     if fa_test_exp2(isa.encode(), dtype, cnp.PyArray_DATA(xa), cnp.PyArray_DATA(ya), xa.size):
+        raise ValueError(f"ISA {isa!r} is not available here")
+    return ya.reshape(x.shape)
+
+
+def softcap(x, isa, double c):
+    """c·tanh(x/c) through the named micro-kernel set's softcap (for its
+    accuracy test); x a float32 or float64 array."""
+    cdef cnp.ndarray xa = cnp.PyArray_GETCONTIGUOUS(x)
+    if cnp.PyArray_TYPE(xa) not in (cnp.NPY_FLOAT32, cnp.NPY_FLOAT64):
+        raise TypeError(f"softcap takes float32 or float64; got {x.dtype}")
+    cdef cnp.ndarray ya = cnp.PyArray_EMPTY(1, [xa.size], cnp.PyArray_TYPE(xa), 0)
+    cdef int dtype = FA_F32 if cnp.PyArray_TYPE(xa) == cnp.NPY_FLOAT32 else FA_F64
+    if fa_test_softcap(isa.encode(), dtype, cnp.PyArray_DATA(xa), cnp.PyArray_DATA(ya), xa.size, c):
         raise ValueError(f"ISA {isa!r} is not available here")
     return ya.reshape(x.shape)

@@ -230,7 +230,7 @@ def visibility(L, S, *, causal=False, window=None, kv_lengths=None, q_start=None
         Valid keys per batch entry, broadcastable to ``batch_shape``.
     q_start, k_start : int or array_like of int, optional
         Global position of query row 0 and of key 0, per batch entry
-        (broadcastable to ``batch_shape``), each within ±2**62.  Giving
+        (broadcastable to ``batch_shape``), each within ±2**60.  Giving
         either one (the other is then 0) replaces the alignment rule.
     batch_shape : tuple of int
         The batch shape (leading shape without the head axis).
@@ -261,7 +261,7 @@ def visibility(L, S, *, causal=False, window=None, kv_lengths=None, q_start=None
     return visible
 
 
-_MAX_POSITION = 2**62  # bound on |q_start|, |k_start|: their sums with i, j fit in int64
+_MAX_POSITION = 2**60  # bound on |q_start|, |k_start|, as the kernel's: d(i) and d(i) ± window fit in int64
 
 
 def _causal_alignment(causal):
@@ -315,7 +315,7 @@ def _position(start, name, batch_shape):
     else:
         raise TypeError(f"{name} must be an int or an array of integers, got {start!r}")
     if a_min < -_MAX_POSITION or a_max > _MAX_POSITION:
-        raise ValueError(f"{name} must lie in [-2**62, 2**62], got {start!r}")
+        raise ValueError(f"{name} must lie in [-2**60, 2**60], got {start!r}")
     try:
         return np.broadcast_to(a.astype(np.int64), batch_shape)
     except ValueError:
@@ -569,7 +569,7 @@ def attention_steps(q, k, v, *, mask=None, causal=False, window=None, kv_lengths
         Global positions of query row 0 and key 0, per batch entry; with
         either given (the other defaults to 0) the diagonal of causal, window
         and ALiBi is ``d(i) = q_start + i - k_start`` whatever ``causal``'s
-        alignment.  |value| <= 2**62.
+        alignment.  |value| <= 2**60.
     dtype : dtype, optional
         The dtype the whole computation is done in (float64 by default).
 

@@ -30,7 +30,9 @@ static void merge_parts(const fa_work *w, int64_t base, char *parts) {
     for (int64_t r = 0; r < it.rows; r++) {
         int64_t h, i;
         fa_row_at(&w->plan, &it, r, &h, &i);
-        double top = -INFINITY, sum = 0;
+        /* The sink logit, if any, joins here once (the parts are computed without it). */
+        const double sink = a->sinks ? a->sinks[h] : -INFINITY;
+        double top = sink, sum = 0;
         for (int64_t c = 0; c < nc; c++) {
             double lse_c = load_t(parts + (size_t)(base * nc + c) * w->part_bytes, it.rows * Ev + r, f32);
             if (lse_c > top || isnan(lse_c)) top = isnan(top) ? top : lse_c;
@@ -42,6 +44,7 @@ static void merge_parts(const fa_work *w, int64_t base, char *parts) {
             wgt[c] = exp(load_t(parts + (size_t)(base * nc + c) * w->part_bytes, it.rows * Ev + r, f32) - top);
             sum += wgt[c]; /* a NaN top (or part) makes every weight NaN */
         }
+        if (sink > -INFINITY) sum += exp(sink - top);
         for (int64_t e = 0; e < Ev; e++) {
             double acc = 0;
             for (int64_t c = 0; c < nc; c++)

@@ -32,6 +32,10 @@ static const char *const fa_messages[FA_ERR_COUNT] = {
     [FA_ERR_NOMEM] = "fa_attention: out of memory for scratch buffers",
     [FA_ERR_ISA] = "fa_set_isa: unknown ISA, or not supported by this CPU or build",
     [FA_ERR_STRATEGY] = "fa_attention_with: a forced strategy is out of range",
+    [FA_ERR_SOFTCAP] = "fa_attention: softcap must be 0 (off) or a finite positive number",
+    [FA_ERR_ALIBI] = "fa_attention: every ALiBi slope must be finite",
+    [FA_ERR_SINKS] = "fa_attention: sinks must not be NaN or +inf (-inf: no sink)",
+    [FA_ERR_POSITION] = "fa_attention: q_start and k_start entries must lie within +-2^60",
 };
 
 const char *fa_strerror(int code) {
@@ -91,6 +95,7 @@ int fa_check(const fa_args *a) {
         return FA_ERR_ALIGN;
     if (a->window_left < -1 || a->window_right < -1) return FA_ERR_WINDOW;
     if (!isfinite(a->scale)) return FA_ERR_SCALE;
+    if (!(a->softcap >= 0) || isinf(a->softcap)) return FA_ERR_SOFTCAP;
     if (a->num_threads < 0) return FA_ERR_THREADS;
     if (empty) return FA_OK;
 
@@ -99,6 +104,19 @@ int fa_check(const fa_args *a) {
     if (a->kv_len)
         for (int64_t b = 0; b < a->B; b++)
             if (a->kv_len[b] < 0 || a->kv_len[b] > a->S) return FA_ERR_KV_LEN;
+    const int64_t far = (int64_t)1 << 60;
+    for (int64_t b = 0; b < a->B; b++)
+        if ((a->q_start && (a->q_start[b] > far || a->q_start[b] < -far)) ||
+            (a->k_start && (a->k_start[b] > far || a->k_start[b] < -far)))
+            return FA_ERR_POSITION;
+    if (a->alibi_slopes)
+        for (int64_t b = 0; b < a->B; b++)
+            for (int64_t h = 0; h < a->Hq; h++)
+                if (!isfinite(a->alibi_slopes[b * a->alibi_stride[0] + h * a->alibi_stride[1]]))
+                    return FA_ERR_ALIBI;
+    if (a->sinks)
+        for (int64_t h = 0; h < a->Hq; h++)
+            if (isnan(a->sinks[h]) || a->sinks[h] == INFINITY) return FA_ERR_SINKS;
 
     const int64_t n_q[4] = {a->B, a->Hq, a->L, a->E}, n_k[4] = {a->B, a->Hkv, a->S, a->E};
     const int64_t n_v[4] = {a->B, a->Hkv, a->S, a->Ev}, n_o[4] = {a->B, a->Hq, a->L, a->Ev};

@@ -79,3 +79,11 @@ int fa_test_exp2(const char *isa, int dtype, const void *x, void *y, int64_t n) 
     k->by_dtype[dtype]->exp2(x, y, n);
     return FA_OK;
 }
+
+int fa_test_softcap(const char *isa, int dtype, const void *x, void *y, int64_t n, double c) {
+    const fa_isa_table *k = isa ? find(isa) : NULL;
+    if (!k) return FA_ERR_ISA;
+    if (dtype < 0 || dtype >= FA_DTYPE_END || !k->by_dtype[dtype]) return FA_ERR_DTYPE;
+    k->by_dtype[dtype]->softcap(x, y, n, c);
+    return FA_OK;
+}

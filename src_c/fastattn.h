@@ -4,6 +4,10 @@
  *
  *     out = softmax(Q Kᵀ · scale + mask) V
  *
+ * with optional score modifiers, in this order: scale → softcap → ALiBi bias
+ * → masks (bool, additive, causal, window, kv_len) → softmax with a sink
+ * logit in the denominator.
+ *
  * fused, tiled and multi-threaded, without storing the L×S score matrix.
  * Plain C99 with no Python: a C program can include this header and link the
  * sources in src_c/. Every call returns 0 or an FA_ERR_* code; fa_strerror()
@@ -25,10 +29,11 @@ enum fa_dtype { FA_F32 = 1, FA_F64 = 2 };
  * to the scaled scores, -inf allowed). */
 enum fa_mask_kind { FA_MASK_NONE = 0, FA_MASK_BOOL = 1, FA_MASK_ADD = 2 };
 
-/* Where query row i sits among the keys, for causal and window:
+/* Where query row i sits among the keys, for causal, window and ALiBi:
  * bottom-right puts it at key position d(i) = i + S_b - L (the last L of the
  * S_b valid keys, as in KV-cache decoding); top-left at d(i) = i (PyTorch's
- * is_causal). S_b is kv_len[b] when kv_len is given, else S. */
+ * is_causal). S_b is kv_len[b] when kv_len is given, else S. Explicit
+ * positions (q_start, k_start) override both. */
 enum fa_align { FA_ALIGN_BOTTOM_RIGHT = 0, FA_ALIGN_TOP_LEFT = 1 };
 
 enum fa_error {
@@ -48,6 +53,10 @@ enum fa_error {
     FA_ERR_NOMEM,         /* scratch memory could not be allocated */
     FA_ERR_ISA,           /* unknown ISA name, or not supported by this CPU/build */
     FA_ERR_STRATEGY,      /* a forced strategy (internal test hook) is out of range */
+    FA_ERR_SOFTCAP,       /* softcap is negative, NaN or infinite */
+    FA_ERR_ALIBI,         /* an ALiBi slope is NaN or infinite */
+    FA_ERR_SINKS,         /* a sink is NaN or +inf */
+    FA_ERR_POSITION,      /* a q_start or k_start entry is beyond ±2^60 */
     FA_ERR_COUNT
 };
 
@@ -76,6 +85,18 @@ typedef struct fa_args {
 
     void *lse;                          /* (B, Hq, L) log-sum-exp (natural log), or NULL */
     int64_t lse_stride[3];
+
+    /* Score modifiers (fa_args_init turns each off). */
+    double softcap;                     /* > 0: a scaled score s becomes softcap·tanh(s/softcap); 0: off */
+    const double *alibi_slopes;         /* (B, Hq) through alibi_stride: adds −slope·|j − d(i)|; or NULL */
+    int64_t alibi_stride[2];            /* batch, head (0 broadcasts) */
+    const double *sinks;                /* (Hq): a logit per query head that joins the softmax
+                                           denominator and adds no value (−inf: none); or NULL.
+                                           lse then includes it. */
+    const int64_t *q_start, *k_start;   /* (B): global positions of query row 0 and key 0, or NULL
+                                           (0). Either given: d(i) = q_start[b] + i − k_start[b],
+                                           overriding align, so a shard of a cache gets exactly
+                                           its part of the full causal/window/ALiBi attention. */
 
     int num_threads;                    /* 0: OpenMP's default (omp_get_max_threads) */
 } fa_args;

@@ -32,7 +32,7 @@
 typedef struct fa_plan {
     const fa_args *a;
     int64_t group;        /* Hq / Hkv: query heads per key/value head */
-    double scale_log2e;   /* scale · log2(e): scores are kept in base 2 */
+    double scale;         /* the caller's: Q is packed as Q·scale */
     int64_t wl, wr;       /* window, -1 replaced by a bound past every key */
 } fa_plan;
 
@@ -58,6 +58,7 @@ typedef struct fa_kernel {
     fa_item_fn lanes_item;    /* rows in vector lanes (kernel_lanes.h) */
     fa_item_fn rows_item;     /* vectors along the head dim (kernel_rows.h), ≤ FA_ROWS_MAX rows */
     void (*exp2)(const void *x, void *y, int64_t n);  /* the kernel's 2^x, for tests */
+    void (*softcap)(const void *x, void *y, int64_t n, double c);  /* c·tanh(x/c), for tests */
 } fa_kernel;
 
 /* One micro-kernel set: a name and its entries, indexed by enum fa_dtype
@@ -83,6 +84,9 @@ const fa_isa_table *fa_current_isa(void);
 /* Test hook: y = 2^x (n elements, dtype FA_F32/FA_F64) with the named set's
  * vector exp2; FA_ERR_ISA when that set is not available here. */
 int fa_test_exp2(const char *isa, int dtype, const void *x, void *y, int64_t n);
+
+/* Test hook: y = c·tanh(x/c) with the named set's softcap; as fa_test_exp2. */
+int fa_test_softcap(const char *isa, int dtype, const void *x, void *y, int64_t n, double c);
 
 /* ---- Strategy: what the driver decides for a call, and a way to force it ---- */
 
@@ -118,11 +122,20 @@ int fa_plan_call(const fa_args *args, const fa_strategy *force, fa_strategy *dec
  * structural restrictions (kv_len, causal, window); the mask comes on top.
  * Empty when hi < lo. Both ends are non-decreasing in i, which is what lets a
  * kernel skip whole key blocks and mask only the blocks on the boundary. */
+/* Query row i's diagonal d(i) in batch entry b: its key position for causal,
+ * window and ALiBi (fastattn.h: explicit positions, else the alignment rule). */
+static inline int64_t fa_row_diagonal(const fa_args *a, int64_t b, int64_t i) {
+    if (a->q_start || a->k_start)
+        return (a->q_start ? a->q_start[b] : 0) + i - (a->k_start ? a->k_start[b] : 0);
+    const int64_t S_b = a->kv_len ? a->kv_len[b] : a->S;
+    return i + (a->align == FA_ALIGN_TOP_LEFT ? 0 : S_b - a->L);
+}
+
 static inline void fa_visible_range(const fa_plan *p, int64_t b, int64_t i,
                                     int64_t *lo, int64_t *hi) {
     const fa_args *a = p->a;
     int64_t S_b = a->kv_len ? a->kv_len[b] : a->S;
-    int64_t d = i + (a->align == FA_ALIGN_TOP_LEFT ? 0 : S_b - a->L);
+    int64_t d = fa_row_diagonal(a, b, i);
     int64_t l = 0, h = S_b - 1;
     if (p->wl >= 0 && d - p->wl > l) l = d - p->wl;
     if (a->causal && d < h) h = d;

@@ -1,8 +1,11 @@
 /* kernel_dtype.h — every kernel of one element type in one ISA, and its
  * table entry (kernel<FA_SFX>). Included by kernel_isa.h once per dtype,
- * with FA_T, FA_SFX, FA_TU, FA_MANT, FA_VBYTES and FA_LOG defined (see vec.h);
- * undefines them at the end. Owns what both item layouts share: scratch
- * rounding, the masks on a key block, and a row's finishing step.
+ * with FA_T, FA_SFX, FA_TU, FA_MANT, FA_VBYTES, FA_LOG and FA_EXP defined
+ * (see vec.h); undefines them at the end. Owns what both item layouts share:
+ * scratch rounding, the score modifiers and masks on a key block, and a
+ * row's finishing step. Scores are in natural units (Q packed as Q·scale);
+ * the softmax takes 2^((s − m)·log2 e), so a huge finite mask value (a
+ * padding mask of finfo.min) stays finite and equal scores stay equal.
  */
 #include "vec.h"
 
@@ -19,8 +22,8 @@ static void FN(mask_ranges)(T *st, int64_t rs, int64_t js, int64_t j0, int64_t n
             if (j0 + j < lo[r] || j0 + j > hi[r]) st[r * rs + j * js] = -(T)INFINITY;
 }
 
-/* The caller's mask on one block: bool (0 hides) or additive (· log2 e, since
- * scores are base 2). m_row[r] is row r's element offset, j0 the first key. */
+/* The caller's mask on one block: bool (0 hides) or additive. m_row[r] is
+ * row r's element offset, j0 the first key. */
 static void FN(mask_elements)(T *st, int64_t rs, int64_t js, const fa_args *a, const int64_t *m_row,
                               int64_t rows, int64_t j0, int64_t nb) {
     const int64_t m_cs = a->mask_stride[3];
@@ -31,9 +34,8 @@ static void FN(mask_elements)(T *st, int64_t rs, int64_t js, const fa_args *a, c
                 if (!mk[m_row[r] + j * m_cs]) st[r * rs + j * js] = -(T)INFINITY;
     } else {
         const T *mk = (const T *)a->mask + j0 * m_cs;
-        const T log2e = (T)1.4426950408889634074;
         for (int64_t r = 0; r < rows; r++)
-            for (int64_t j = 0; j < nb; j++) st[r * rs + j * js] += mk[m_row[r] + j * m_cs] * log2e;
+            for (int64_t j = 0; j < nb; j++) st[r * rs + j * js] += mk[m_row[r] + j * m_cs];
     }
 }
 
@@ -47,12 +49,56 @@ static inline void FN(mask_block)(T *st, int64_t rs, int64_t js, const fa_args *
     if (f->lo_max > j0 || f->hi_min < j0 + nb - 1) FN(mask_ranges)(st, rs, js, j0, nb, rows, lo, hi);
 }
 
-/* A row's finishing step, from its running max m (base 2) and sum l:
- *     out = o · (1/l),   lse = m·ln 2 + ln l   (natural log)
- * A row with no visible key has l = 0: 1/l becomes 0 (o is 0 too) and lse −inf. */
-static inline T FN(finish_inv_l)(T l) { return l == 0 ? 0 : 1 / l; }
-static inline T FN(finish_lse)(T m, T l) {
-    return l == 0 ? -(T)INFINITY : m * (T)0.69314718055994530942 + FA_LOG(l);
+/* softcap on nv whole vectors of scores: s := c·tanh(s/c), through
+ *     tanh|y| = −u / (2 + u),   u = e^(−2|y|) − 1 = 2^(|s|·k) − 1,  k = −2·log2 e / c
+ * with 2^x − 1 from v_exp2m1 (no cancellation near 0) and the sign put back.
+ * Large |s| gives ±c exactly; NaN stays NaN. Measured maximum error against
+ * tanh in long double: tests/test_modifiers.py (stated in docs/modifiers.md). */
+static inline void FN(softcap_vectors)(VT *x, int64_t nv, T c) {
+    const T k = (T)(-2 * 1.4426950408889634074) / c;
+    const VU sign = (VU)FN(v_splat)(-(T)0);
+    for (int64_t u = 0; u < nv; u++) {
+        const VT em = FN(v_exp2m1)(FN(v_abs)(x[u]) * k);
+        x[u] = (VT)((VU)(c * (-em / (2 + em))) | ((VU)x[u] & sign));
+    }
+}
+
+/* Per-row modifier inputs of an item, for its first n_lanes rows (rows past
+ * it->rows get no slope and no sink): the ALiBi slope negated, the row's
+ * diagonal d(i), and the sink logit (−inf: none; a split-KV part never takes
+ * the sink, the merge adds it once). */
+static void FN(item_mods)(const fa_plan *p, const fa_item *it, int64_t n_lanes, T *neg_slope,
+                          int64_t *diag, T *sink) {
+    const fa_args *a = p->a;
+    for (int64_t r = 0; r < n_lanes; r++) {
+        neg_slope[r] = 0;
+        diag[r] = 0;
+        sink[r] = -(T)INFINITY;
+        if (r >= it->rows) continue;
+        int64_t h, i;
+        fa_row_at(p, it, r, &h, &i);
+        diag[r] = fa_row_diagonal(a, it->b, i);
+        if (a->alibi_slopes)
+            neg_slope[r] = -(T)a->alibi_slopes[it->b * a->alibi_stride[0] + h * a->alibi_stride[1]];
+        if (a->sinks && !it->partial) sink[r] = (T)a->sinks[h];
+    }
+}
+
+/* A row's finishing step, from its running max m and sum l (Σ 2^((s−m)·log2 e)):
+ *     out = o · (1/l),   lse = m + ln l
+ * A row with no visible key has l = 0: 1/l becomes 0 (o is 0 too) and lse −inf.
+ * With a sink logit σ the denominator gains e^σ, taken against t = max(m, σ):
+ *     out = o · e^(m−t) / (l·e^(m−t) + e^(σ−t)),   lse = t + ln(l·e^(m−t) + e^(σ−t))
+ * so a row with no visible key gets 0 and lse σ. */
+static inline void FN(finish_row)(T m, T l, T sink, T *inv, T *lse /* NULL: not wanted */) {
+    if (sink == -(T)INFINITY) {
+        *inv = l == 0 ? 0 : 1 / l;
+        if (lse) *lse = l == 0 ? -(T)INFINITY : m + FA_LOG(l);
+        return;
+    }
+    const T t = m > sink ? m : sink, e_m = FA_EXP(m - t), denom = l * e_m + FA_EXP(sink - t);
+    *inv = e_m / denom;
+    if (lse) *lse = t + FA_LOG(denom);
 }
 
 /* Where an item writes: the caller's out and lse, or its split-KV part. */
@@ -83,6 +129,18 @@ static void FN(exp2_array)(const void *xp, void *yp, int64_t n) {
     }
 }
 
+/* y = c·tanh(x/c) through the kernel's own softcap, for the accuracy test. */
+static void FN(softcap_array)(const void *xp, void *yp, int64_t n, double c) {
+    const T *x = (const T *)xp;
+    T *y = (T *)yp;
+    for (int64_t i = 0; i < n; i += W) {
+        VT v = FN(v_splat)(0);
+        for (int u = 0; u < W && i + u < n; u++) v[u] = x[i + u];
+        FN(softcap_vectors)(&v, 1, (T)c);
+        for (int u = 0; u < W && i + u < n; u++) y[i + u] = v[u];
+    }
+}
+
 static const fa_kernel FN(kernel) = {
     FA_NV * W,  /* lane_rows */
     W / 2,      /* rows_auto: half a vector or less (measured per ISA: docs/tuning.md) */
@@ -91,6 +149,7 @@ static const fa_kernel FN(kernel) = {
     FN(lanes_item),
     FN(rows_item),
     FN(exp2_array),
+    FN(softcap_array),
 };
 
 #undef FN
@@ -104,4 +163,5 @@ static const fa_kernel FN(kernel) = {
 #undef FA_MANT
 #undef FA_VBYTES
 #undef FA_LOG
+#undef FA_EXP
 #undef FA_WPP

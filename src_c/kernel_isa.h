@@ -18,6 +18,7 @@
 #define FA_MANT 23
 #define FA_VBYTES FA_VBYTES_F32
 #define FA_LOG logf
+#define FA_EXP expf
 #include "kernel_dtype.h"
 
 #define FA_T double
@@ -26,6 +27,7 @@
 #define FA_MANT 52
 #define FA_VBYTES FA_VBYTES_F64
 #define FA_LOG log
+#define FA_EXP exp
 #include "kernel_dtype.h"
 
 const fa_isa_table FA_CAT(fa_isa_, FA_ISA) = {

@@ -162,13 +162,14 @@ static void FN(values_tile)(int nvc, VT *ot, const T *v, int64_t v_rs, const VT 
 #undef FA_CALL
 }
 
-/* Online softmax over one block, lane-wise (one lane = one query row), base 2:
- *     m' = max(m, max_j s_j)        alpha = 2^(m − m')
- *     p_j = 2^(s_j − m')            l' = l·alpha + Σ_j p_j
+/* Online softmax over one block, lane-wise (one lane = one query row):
+ *     m' = max(m, max_j s_j)        alpha = e^(m − m') = 2^((m − m')·log2 e)
+ *     p_j = 2^((s_j − m')·log2 e)   l' = l·alpha + Σ_j p_j
  * st is overwritten with p. A row with no visible key so far has m = −inf; it
  * subtracts 0 instead, so its p and alpha are 2^−inf = 0, never NaN. */
 static void FN(softmax_block)(int nvc, VT *st, int64_t nb, VT *m, VT *l, VT *alpha) {
     const VT neg_inf = FN(v_splat)(-(T)INFINITY);
+    const T log2e = (T)1.4426950408889634074;
     for (int u = 0; u < nvc; u++) {
         /* Four running maxima, so the block's max is not one chain of nb
          * dependent steps (max is exact: any order gives the same bits). */
@@ -181,11 +182,11 @@ static void FN(softmax_block)(int nvc, VT *st, int64_t nb, VT *m, VT *l, VT *alp
         VT m_sub = FN(v_select)((VU)(m_new == neg_inf), FN(v_splat)(0), m_new);
         VT sum = {0};
         for (int64_t j = 0; j < nb; j++) {
-            VT p = FN(v_exp2)(st[j * FA_NV + u] - m_sub);
+            VT p = FN(v_exp2)((st[j * FA_NV + u] - m_sub) * log2e);
             st[j * FA_NV + u] = p;
             sum += p;
         }
-        alpha[u] = FN(v_exp2)(m[u] - m_sub);
+        alpha[u] = FN(v_exp2)((m[u] - m_sub) * log2e);
         l[u] = l[u] * alpha[u] + sum;
         m[u] = m_new;
     }
@@ -210,13 +211,13 @@ static FN(lanes_bufs) FN(lanes_carve)(void *scratch, int64_t E, int64_t Ev) {
     return s;
 }
 
-/* Packing: Qᵀ · scale·log2 e into qt (E × BQ, row e of Qᵀ holding every
+/* Packing: Qᵀ · scale into qt (E × BQ, row e of Qᵀ holding every
  * row's element e), padding lanes 0. Whole W×W blocks are transposed in
  * registers, the last E % W columns copied one by one. */
 static void FN(lanes_pack_q)(const fa_plan *p, const int64_t *q_row, int64_t rows, int nvc, VT *qt) {
     const int64_t E = p->a->E, e_full = E / W * W;
     const T *q = (const T *)p->a->q;
-    const T c = (T)p->scale_log2e;
+    const T c = (T)p->scale;
     T *qt_s = (T *)qt;
     for (int u = 0; u < nvc; u++) {
         const int64_t r0 = (int64_t)u * W, nr = rows - r0 < W ? rows - r0 : W;
@@ -234,12 +235,26 @@ static void FN(lanes_pack_q)(const fa_plan *p, const int64_t *q_row, int64_t row
     }
 }
 
-/* The block loop: for each key block, scores, masks, online softmax, P·V.
+/* ALiBi on a block (key j0 + j, lane r): s += −slope_r · |j0 + j − d_r|,
+ * with d_r − j0 converted once per block (exact while under 2^24 / 2^53). */
+static void FN(lanes_alibi)(VT *st, int nvc, int64_t j0, int64_t nb, const T *neg_slope, const int64_t *diag) {
+    VT ns[FA_NV], dd[FA_NV];
+    for (int u = 0; u < nvc; u++)
+        for (int i = 0; i < W; i++) {
+            ns[u][i] = neg_slope[u * W + i];
+            dd[u][i] = (T)(diag[u * W + i] - j0);
+        }
+    for (int64_t j = 0; j < nb; j++)
+        for (int u = 0; u < nvc; u++) st[j * FA_NV + u] += ns[u] * FN(v_abs)(FN(v_splat)((T)j) - dd[u]);
+}
+
+/* The block loop: for each key block, scores, modifiers, masks, online softmax, P·V.
  * Leaves Oᵀ unnormalised in ot and each lane's (m, l). The first block
  * starts Oᵀ from 0 (its alpha is 0 anyway), so Oᵀ needs no clearing unless
  * no block is visited at all. */
 static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, const fa_rows *f, const int64_t *lo,
-                             const int64_t *hi, const int64_t *m_row, int nvc, FN(lanes_bufs) s) {
+                             const int64_t *hi, const int64_t *m_row, const T *neg_slope, const int64_t *diag,
+                             int nvc, FN(lanes_bufs) s) {
     const fa_args *a = p->a;
     const int64_t E = a->E, Ev = a->Ev, rows = it->rows;
     const T *k = (const T *)a->k + it->b * a->k_stride[0] + it->hk * a->k_stride[1];
@@ -255,6 +270,9 @@ static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, const fa_rows 
     for (int64_t j0 = f->j_begin; j0 < f->j_end; j0 += FA_BK) {
         const int64_t nb = f->j_end - j0 < FA_BK ? f->j_end - j0 : FA_BK;
         FN(scores_tile)(nvc, s.st, k + j0 * k_rs, k_rs, s.qt, E, nb, v + j0 * v_rs, v_rs, Ev);
+        if (a->softcap > 0)
+            for (int64_t j = 0; j < nb; j++) FN(softcap_vectors)(s.st + j * FA_NV, nvc, (T)a->softcap);
+        if (a->alibi_slopes) FN(lanes_alibi)(s.st, nvc, j0, nb, neg_slope, diag);
         FN(mask_block)((T *)s.st, 1, BQ, a, f, lo, hi, m_row, rows, j0, nb);
         FN(softmax_block)(nvc, s.st, nb, s.m, s.l, s.alpha);
         FN(values_tile)(nvc, s.ot, v + j0 * v_rs, v_rs, s.st, Ev, nb, j0 == f->j_begin ? 0 : s.alpha);
@@ -263,15 +281,16 @@ static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, const fa_rows 
 
 /* The store: out = Oᵀ · (1/l) lane-wise, transposed back into the caller's
  * rows (whole W×W blocks in registers), and each row's lse. */
-static void FN(lanes_store)(const fa_plan *p, const fa_item *it, int nvc, FN(lanes_bufs) s) {
+static void FN(lanes_store)(const fa_plan *p, const fa_item *it, const T *sink, int nvc, FN(lanes_bufs) s) {
     const fa_args *a = p->a;
     const int64_t Ev = a->Ev, rows = it->rows, ev_full = Ev / W * W;
     const T *m_s = (const T *)s.m, *l_s = (const T *)s.l, *ot_s = (const T *)s.ot;
-    T *inv = (T *)s.alpha;
-    for (int64_t r = 0; r < (int64_t)nvc * W; r++) inv[r] = FN(finish_inv_l)(l_s[r]);
+    T *out = FN(item_out)(it, a), *lse = FN(item_lse)(it, a);
+    T *inv = (T *)s.alpha, lse_r[BQ];
+    for (int64_t r = 0; r < (int64_t)nvc * W; r++)
+        FN(finish_row)(m_s[r], l_s[r], sink[r], &inv[r], lse ? &lse_r[r] : NULL);
     for (int64_t e = 0; e < Ev; e++)
         for (int u = 0; u < nvc; u++) s.ot[e * FA_NV + u] *= s.alpha[u];
-    T *out = FN(item_out)(it, a), *lse = FN(item_lse)(it, a);
     int64_t o_off[BQ], lse_off[BQ];
     for (int64_t r = 0; r < rows; r++) o_off[r] = fa_out_offset(p, it, r, &lse_off[r]);
     for (int u = 0; u < nvc; u++) {
@@ -285,7 +304,7 @@ static void FN(lanes_store)(const fa_plan *p, const fa_item *it, int nvc, FN(lan
     }
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t e = ev_full; e < Ev; e++) out[o_off[r] + e] = ot_s[e * BQ + r];
-        if (lse) lse[lse_off[r]] = FN(finish_lse)(m_s[r], l_s[r]);
+        if (lse) lse[lse_off[r]] = lse_r[r];
     }
 }
 
@@ -294,9 +313,13 @@ static void FN(lanes_item)(const fa_plan *p, const fa_item *it, void *scratch) {
     int64_t lo[BQ], hi[BQ], q_row[BQ], m_row[BQ];
     const fa_rows f = fa_item_rows(p, it, lo, hi, q_row, m_row);
     const int nvc = (int)((it->rows + W - 1) / W); /* vectors of lanes in use */
+    T neg_slope[BQ], sink[BQ];
+    int64_t diag[BQ];
+    if (p->a->alibi_slopes || p->a->sinks) FN(item_mods)(p, it, nvc * W, neg_slope, diag, sink);
+    else for (int64_t r = 0; r < nvc * W; r++) sink[r] = -(T)INFINITY;
     FN(lanes_pack_q)(p, q_row, it->rows, nvc, s.qt);
-    FN(lanes_blocks)(p, it, &f, lo, hi, m_row, nvc, s);
-    FN(lanes_store)(p, it, nvc, s);
+    FN(lanes_blocks)(p, it, &f, lo, hi, m_row, neg_slope, diag, nvc, s);
+    FN(lanes_store)(p, it, sink, nvc, s);
 }
 
 #undef TILE

@@ -123,9 +123,29 @@ static inline __attribute__((always_inline)) void FN(dot_values_n)(
     default: call(8); break;                                                  \
     }
 
-/* Online softmax of one block, row by row (base 2, as in softmax_block). */
+/* Softcap and ALiBi on one block, row by row (as in kernel_lanes.h):
+ * s[r][j] := c·tanh(s/c), then += −slope_r · |j0 + j − d_r|. */
+static void FN(rows_modify)(const fa_args *a, T *st, int64_t rows, int64_t j0, int64_t nb, const T *neg_slope,
+                            const int64_t *diag) {
+    const int64_t nbv = (nb + W - 1) / W;
+    VT iota;
+    for (int i = 0; i < W; i++) iota[i] = (T)i;
+    for (int64_t r = 0; r < rows; r++) {
+        T *s = st + r * FA_BK; /* whole vectors: FA_BK is a multiple of W, st is aligned */
+        if (a->softcap > 0) FN(softcap_vectors)((VT *)s, nbv, (T)a->softcap);
+        if (!a->alibi_slopes) continue;
+        const VT ns = FN(v_splat)(neg_slope[r]), dd = FN(v_splat)((T)(diag[r] - j0));
+        for (int64_t u = 0; u < nbv; u++) {
+            VT x = FN(v_loadu)(s + u * W) + ns * FN(v_abs)(iota + (T)(u * W) - dd);
+            memcpy(s + u * W, &x, sizeof x);
+        }
+    }
+}
+
+/* Online softmax of one block, row by row (as in softmax_block). */
 static void FN(rows_softmax)(T *st, int64_t rows, int64_t nb, T *m, T *l, T *alpha) {
     const int64_t nbv = (nb + W - 1) / W;
+    const T log2e = (T)1.4426950408889634074;
     for (int64_t r = 0; r < rows; r++) {
         T *s = st + r * FA_BK;
         for (int64_t j = nb; j < nbv * W; j++) s[j] = -(T)INFINITY; /* pad the last vector */
@@ -134,11 +154,11 @@ static void FN(rows_softmax)(T *st, int64_t rows, int64_t nb, T *m, T *l, T *alp
         const T m_new = FN(v_hmax)(mx), m_sub = m_new == -(T)INFINITY ? 0 : m_new;
         VT sum = {0};
         for (int64_t u = 0; u < nbv; u++) {
-            VT pv = FN(v_exp2)(FN(v_loadu)(s + u * W) - m_sub);
+            VT pv = FN(v_exp2)((FN(v_loadu)(s + u * W) - m_sub) * log2e);
             memcpy(s + u * W, &pv, sizeof pv);
             sum += pv;
         }
-        alpha[r] = FN(v_exp2)(FN(v_splat)(m[r] - m_sub))[0];
+        alpha[r] = FN(v_exp2)(FN(v_splat)((m[r] - m_sub) * log2e))[0];
         l[r] = l[r] * alpha[r] + FN(v_hsum)(sum);
         m[r] = m_new;
     }
@@ -160,8 +180,8 @@ static void FN(rows_item)(const fa_plan *p, const fa_item *it, void *scratch) {
     int64_t lo[FA_FEW], hi[FA_FEW], q_row[FA_FEW], m_row[FA_FEW];
     const fa_rows f = fa_item_rows(p, it, lo, hi, q_row, m_row);
 
-    /* Packing: q · scale·log2 e, each row padded with zeros to whole vectors. */
-    const T c = (T)p->scale_log2e;
+    /* Packing: q · scale, each row padded with zeros to whole vectors. */
+    const T c = (T)p->scale;
     for (int64_t r = 0; r < rows; r++) {
         T *dst = (T *)(qs + r * nE);
         for (int64_t e = 0; e < E; e++) dst[e] = ((const T *)a->q)[q_row[r] + e] * c;
@@ -174,6 +194,11 @@ static void FN(rows_item)(const fa_plan *p, const fa_item *it, void *scratch) {
     }
     if (f.j_begin >= f.j_end)
         for (int64_t u = 0; u < rows * nEv; u++) os[u] = (VT){0};
+    T neg_slope[FA_FEW], sink[FA_FEW];
+    int64_t diag[FA_FEW];
+    const int modify = a->softcap > 0 || a->alibi_slopes;
+    if (a->alibi_slopes || a->sinks) FN(item_mods)(p, it, rows, neg_slope, diag, sink);
+    else for (int64_t r = 0; r < rows; r++) sink[r] = -(T)INFINITY;
 
     /* The block loop, as in the lane layout. */
     for (int64_t j0 = f.j_begin; j0 < f.j_end; j0 += FA_BK) {
@@ -181,6 +206,7 @@ static void FN(rows_item)(const fa_plan *p, const fa_item *it, void *scratch) {
 #define FA_CALL(R) FN(dot_scores_n)(R, st, qs, nE, k + j0 * k_rs, k_rs, E, nb)
         FA_BY_ROWS(rows, FA_CALL)
 #undef FA_CALL
+        if (modify) FN(rows_modify)(a, st, rows, j0, nb, neg_slope, diag);
         FN(mask_block)(st, FA_BK, 1, a, &f, lo, hi, m_row, rows, j0, nb);
         FN(rows_softmax)(st, rows, nb, m, l, alpha);
 #define FA_CALL(R) FN(dot_values_n)(R, os, nEv, st, v + j0 * v_rs, v_rs, Ev, nb, alpha, j0 == f.j_begin)
@@ -192,10 +218,11 @@ static void FN(rows_item)(const fa_plan *p, const fa_item *it, void *scratch) {
     T *out = FN(item_out)(it, a), *lse = FN(item_lse)(it, a);
     for (int64_t r = 0; r < rows; r++) {
         int64_t lse_off, o_off = fa_out_offset(p, it, r, &lse_off);
-        const T inv = FN(finish_inv_l)(l[r]);
+        T inv, lse_r;
+        FN(finish_row)(m[r], l[r], sink[r], &inv, lse ? &lse_r : NULL);
         const T *o_r = (const T *)(os + r * nEv);
         for (int64_t e = 0; e < Ev; e++) out[o_off + e] = o_r[e] * inv;
-        if (lse) lse[lse_off] = FN(finish_lse)(m[r], l[r]);
+        if (lse) lse[lse_off] = lse_r;
     }
 }
 

@@ -142,10 +142,11 @@ int fa_plan_work(const fa_args *a, const fa_strategy *force, fa_work *w) {
     memset(w, 0, sizeof *w);
     w->plan.a = a;
     w->plan.group = a->Hq / a->Hkv;
-    w->plan.scale_log2e = a->scale * 1.4426950408889634074;
-    /* A window side wider than every key and row is the same as unbounded;
-     * clamping keeps d ± window inside int64. */
-    const int64_t far = a->S + a->L;
+    w->plan.scale = a->scale;
+    /* A window side wider than every key and row is the same as unbounded
+     * (with explicit positions, |d| stays under 2^61 + L); clamping keeps
+     * d ± window inside int64. */
+    const int64_t far = (a->q_start || a->k_start) ? (int64_t)1 << 62 : a->S + a->L;
     w->plan.wl = a->window_left > far ? far : a->window_left;
     w->plan.wr = a->window_right > far ? far : a->window_right;
     w->elem_bytes = a->dtype == FA_F32 ? sizeof(float) : sizeof(double);

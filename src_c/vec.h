@@ -55,6 +55,11 @@ static inline VT FN(v_max)(VT a, VT b) {
 #endif
 }
 
+/* |x|: the sign bit cleared. */
+static inline VT FN(v_abs)(VT x) {
+    return (VT)((VU)x & ~(VU)FN(v_splat)(-(T)0));
+}
+
 /* An unaligned load (memcpy compiles to one). */
 static inline VT FN(v_loadu)(const T *x) {
     VT v;

@@ -16,8 +16,9 @@
  * (sse2, scalar), where each Horner step rounds twice.
  */
 
-/* 2^f for f in [−½, ½]: the Taylor polynomial above, Horner form. */
-static inline VT FN(exp2_poly)(VT f) {
+/* (2^f − 1)/f for f in [−½, ½]: the Taylor polynomial above less its
+ * constant term, divided by f; Horner form. */
+static inline VT FN(exp2_poly_tail)(VT f) {
     VT p;
 #if FA_MANT == 23
     p = FN(v_splat)(0x1.ffcbfc588b0c7p-17f);   /* ln2^k / k!, k = 7 … 0 */
@@ -27,7 +28,6 @@ static inline VT FN(exp2_poly)(VT f) {
     p = p * f + 0x1.c6b08d704a0c0p-5f;
     p = p * f + 0x1.ebfbdff82c58fp-3f;
     p = p * f + 0x1.62e42fefa39efp-1f;
-    p = p * f + 1.0f;
 #else
     p = FN(v_splat)(0x1.816193166d0f9p-40);    /* ln2^k / k!, k = 13 … 0 */
     p = p * f + 0x1.c3bd650fc2986p-36;
@@ -42,10 +42,12 @@ static inline VT FN(exp2_poly)(VT f) {
     p = p * f + 0x1.c6b08d704a0c0p-5;
     p = p * f + 0x1.ebfbdff82c58fp-3;
     p = p * f + 0x1.62e42fefa39efp-1;
-    p = p * f + 1.0;
 #endif
     return p;
 }
+
+/* 2^f for f in [−½, ½]: the last Horner step of the same polynomial. */
+static inline VT FN(exp2_poly)(VT f) { return FN(exp2_poly_tail)(f) * f + 1; }
 
 static inline VT FN(v_exp2)(VT x) {
 #if FA_MANT == 23
@@ -90,4 +92,30 @@ static inline VT FN(v_exp2)(VT x) {
     r = FN(v_select)(under, FN(v_splat)(0), r);
     return FN(v_select)((VU)(x != x), x, r);    /* NaN in, NaN out */
 #endif
+}
+
+/* 2^x − 1 for x ≤ 0 (the softcap's tanh), accurate where 2^x − 1 cancels:
+ * n = round(x), f = x − n, 2^x − 1 = 2^n·(2^f − 1) + (2^n − 1), with
+ * 2^f − 1 = f·tail(f) from the polynomial above (no 1 added and taken away)
+ * and 2^n exact. For n = 0 that is f·tail(f) alone: a relative error of a
+ * few ulp down to the smallest x. x below the exp2 range returns −1; NaN
+ * stays NaN. */
+static inline VT FN(v_exp2m1)(VT x) {
+#if FA_MANT == 23
+    const T shifter = 0x1.8p23f, lowest = -125;
+    const FA_TU one_bits = 127;
+#else
+    const T shifter = 0x1.8p52, lowest = -1021;
+    const FA_TU one_bits = 1023;
+#endif
+    VU under = (VU)(x < lowest);
+    VT xc = FN(v_select)(under, FN(v_splat)(lowest), x);
+    VT big = xc + shifter;
+    VT n = big - shifter;
+    VT f = xc - n;
+    VU n_bits = (VU)big - (VU)FN(v_splat)(shifter);
+    VT two_n = (VT)((n_bits + one_bits) << FA_MANT);   /* 2^n, n in [lowest, 0] */
+    VT r = two_n * (f * FN(exp2_poly_tail)(f)) + (two_n - 1);
+    r = FN(v_select)(under, FN(v_splat)(-1), r);
+    return FN(v_select)((VU)(x != x), x, r);
 }

@@ -161,11 +161,11 @@ MODIFIER_CASES = {
                                                   kv_lengths=np.array([6, 3]))),
     "positions_future_keys": (dict(L=3, S=4), dict(q_start=0, k_start=50, causal=True,
                                                    sinks=[0.0, 1.0])),
-    "positions_huge_shift": (dict(L=3, S=6), dict(q_start=2**62, k_start=2**62 - 2, causal=True,
+    "positions_huge_shift": (dict(L=3, S=6), dict(q_start=2**60, k_start=2**60 - 2, causal=True,
                                                   window=(3, 0), alibi_slopes=[0.5, 0.25])),
-    "positions_extreme_offset": (dict(L=2, S=3), dict(q_start=2**62, k_start=-2**62,
+    "positions_extreme_offset": (dict(L=2, S=3), dict(q_start=2**60, k_start=-2**60,
                                                       alibi_slopes=[1e-18, 2e-19], causal=True)),
-    "positions_extreme_offset_window": (dict(L=2, S=3), dict(q_start=-2**62, k_start=2**62,
+    "positions_extreme_offset_window": (dict(L=2, S=3), dict(q_start=-2**60, k_start=2**60,
                                                              window=(5, 5), sinks=[0.0, 1.0])),
     "everything": (dict(Hq=4, Hkv=2, L=4, S=7),
                    dict(softcap=2.0, alibi_slopes=[0.5, 0.25, 0.125, 0.0625],
@@ -516,11 +516,11 @@ def test_default_positions_are_the_alignment_rules():
                                   ref.attention(q, k, v, causal="top_left", **kw))
 
 
-def test_shifting_both_positions_changes_nothing_even_near_2_to_the_62():
+def test_shifting_both_positions_changes_nothing_even_near_2_to_the_60():
     q, k, v = qkv(L=3, S=8)
     kw = dict(alibi_slopes=[0.3, 0.6], window=(4, 1), causal=True)
     want = ref.attention(q, k, v, q_start=6, k_start=1, **kw)
-    for shift in (10**6, 2**53 + 1, 2**62 - 6, -2**62 + 1):
+    for shift in (10**6, 2**53 + 1, 2**60 - 6, -2**60 + 1):
         np.testing.assert_array_equal(
             ref.attention(q, k, v, q_start=6 + shift, k_start=1 + shift, **kw), want)
 
@@ -657,10 +657,10 @@ def test_huge_finite_masks_act_like_hiding_when_some_key_is_not_hidden(dtype):
     (dict(q_start=True), TypeError, r"q_start must be an int or an array of integers, got True"),
     (dict(q_start="3"), TypeError, r"q_start must be an int or an array of integers, got '3'"),
     (dict(k_start=[1.0]), TypeError, r"k_start must be an int or an array of integers, got \[1.0\]"),
-    (dict(q_start=2**62 + 1), ValueError, r"q_start must lie in \[-2\*\*62, 2\*\*62\], got 4611686018427387905"),
-    (dict(q_start=2**63), ValueError, r"q_start must lie in \[-2\*\*62, 2\*\*62\]"),
-    (dict(k_start=-2**62 - 1), ValueError, r"k_start must lie in \[-2\*\*62, 2\*\*62\]"),
-    (dict(k_start=-2**70), ValueError, r"k_start must lie in \[-2\*\*62, 2\*\*62\]"),
+    (dict(q_start=2**60 + 1), ValueError, r"q_start must lie in \[-2\*\*60, 2\*\*60\], got 1152921504606846977"),
+    (dict(q_start=2**63), ValueError, r"q_start must lie in \[-2\*\*60, 2\*\*60\]"),
+    (dict(k_start=-2**60 - 1), ValueError, r"k_start must lie in \[-2\*\*60, 2\*\*60\]"),
+    (dict(k_start=-2**70), ValueError, r"k_start must lie in \[-2\*\*60, 2\*\*60\]"),
     (dict(k_start=np.array([0, 2**63], np.uint64)), ValueError, r"k_start must lie in"),
     (dict(q_start=np.array([1, 2])), ValueError,
      r"q_start must be an int or broadcast to the batch shape \(\), got shape \(2,\)"),
@@ -673,7 +673,7 @@ def test_modifier_errors(kwargs, error, match):
 
 def test_modifier_values_at_the_edges_of_what_is_allowed():
     q, k, v = np.ones((4, 3, 5)), np.ones((2, 4, 5)), np.ones((2, 4, 5))
-    ref.attention(q, k, v, q_start=2**62, k_start=-2**62)
+    ref.attention(q, k, v, q_start=2**60, k_start=-2**60)
     ref.attention(q, k, v, q_start=np.uint64(5), k_start=np.int8(-3))
     ref.attention(q, k, v, softcap=np.float32(1e-30), alibi_slopes=[-1, 0, 1, 2],
                   sinks=[-np.inf, 0, -1e300, 1e300])
