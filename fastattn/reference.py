@@ -628,6 +628,11 @@ def attention_steps(q, k, v, *, mask=None, causal=False, window=None, kv_lengths
     if mask is not None:
         mask = np.asarray(mask)
         if mask.dtype.kind == "f":
+            if mask.dtype.itemsize > np.dtype(dtype).itemsize:
+                # finite values past the computation dtype's range stay finite
+                # (a float64 finfo.min padding mask on a float32 computation)
+                lim = np.finfo(dtype)
+                mask = np.where(np.isfinite(mask), np.clip(mask, lim.min, lim.max), mask)
             mask = mask.astype(dtype, copy=False)
         elif mask.dtype != np.bool_:
             raise TypeError(f"mask must be bool or floating, got dtype {mask.dtype}")
