@@ -57,6 +57,11 @@ def walk_example():
     print(_matrix("       ", steps.masked))
     print("  4. weights = softmax of each row: exp(x) / Σ exp(x); each row sums to 1")
     print(_matrix("       ", steps.weights))
+    _, lse, weights = fastattn.attention(q, k, v, return_lse=True, return_weights=True)
+    print("     the same from the kernel, exp(x − lse) with its log-sum-exp lse = "
+          f"[{', '.join(f'{x:.3f}' for x in lse)}]")
+    print("     (fastattn.attention(Q, K, V, return_weights=True)):")
+    print(_matrix("       ", weights))
     print("  5. output = weights·V: each row a weighted average of V's rows")
     print(_matrix("       ", steps.output))
     out = fastattn.attention(q, k, v)

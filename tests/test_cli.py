@@ -38,6 +38,11 @@ def test_info_and_demo(tmp_path):
     assert p.returncode == 0 and "OpenMP" in p.stdout and "max threads" in p.stdout
     p = run_cli(tmp_path, "demo")
     assert p.returncode == 0 and "7.311" in p.stdout and "OK" in p.stdout
+    # step 4 again, from the kernel's own lse (return_weights): the same numbers
+    kernel = p.stdout.split("the same from the kernel", 1)[1].split("5. output", 1)[0]
+    assert "lse = [1.693, 1.313]" in kernel
+    for number in ("0.500", "0.269", "0.731"):
+        assert number in kernel, number
     assert "ratio" not in p.stdout  # demo does not time
 
 

@@ -1,7 +1,8 @@
 /* test_capi.c — the C API alone, no Python: builds against src_c/ and checks
  * fa_attention against a naive double-precision loop, for every micro-kernel
  * set this CPU runs, float and double, with causal, window, kv_len, a bool
- * mask, GQA and lse; then checks that bad arguments are refused.
+ * mask, GQA, lse, and the score modifiers (softcap, ALiBi, sinks, explicit
+ * positions); then checks that bad arguments are refused.
  * Build: see tests/test_c_api.py (the AVX files need their own flags).
  * Exit status 0 and "C API: N passed, 0 failed" when all is well.
  */
@@ -11,6 +12,14 @@
 #include "fastattn.h"
 
 enum { B = 2, HQ = 4, HKV = 2, L = 37, S = 70, E = 24, EV = 9 };
+
+/* The modifiers of the case being run (all off: softcap 0, no slopes, no sinks, no positions). */
+static struct {
+    double softcap;
+    const double *slopes; /* (HQ), the same for every batch entry */
+    const double *sinks;  /* (HQ) */
+    const int64_t *q_start, *k_start;
+} mods;
 
 static int passed, failed;
 static void check(int ok, const char *what) {
@@ -25,6 +34,7 @@ static void naive_row(const double *q, const double *k, const double *v, const u
     int hk = h / (HQ / HKV);
     int64_t Sb = kv_len[b];
     int64_t d = i + (align == FA_ALIGN_TOP_LEFT ? 0 : Sb - L);
+    if (mods.q_start || mods.k_start) d = (mods.q_start ? mods.q_start[b] : 0) + i - (mods.k_start ? mods.k_start[b] : 0);
     double s[S], mx = -INFINITY, sum = 0;
     for (int j = 0; j < S; j++) {
         int vis = j < Sb && mask[((b * HQ + h) * L + i) * S + j];
@@ -33,11 +43,17 @@ static void naive_row(const double *q, const double *k, const double *v, const u
         if (wr >= 0 && j > d + wr) vis = 0;
         double dot = 0;
         for (int e = 0; e < E; e++) dot += q[((b * HQ + h) * L + i) * E + e] * k[((b * HKV + hk) * S + j) * E + e];
-        s[j] = vis ? dot * scale : -INFINITY;
+        double x = dot * scale;                                             /* scale */
+        if (mods.softcap > 0) x = mods.softcap * tanh(x / mods.softcap);   /* softcap */
+        if (mods.slopes) x -= mods.slopes[h] * fabs((double)(j - d));       /* ALiBi */
+        s[j] = vis ? x : -INFINITY;                                         /* masks */
         if (s[j] > mx) mx = s[j];
     }
+    const double sink = mods.sinks ? mods.sinks[h] : -INFINITY;
+    if (sink > mx) mx = sink;
     for (int e = 0; e < EV; e++) out[e] = 0;
     if (mx == -INFINITY) { *lse = -INFINITY; return; }
+    sum = exp(sink - mx); /* the sink's share of the denominator (0 without one) */
     for (int j = 0; j < S; j++) {
         double p = exp(s[j] - mx);
         sum += p;
@@ -87,6 +103,11 @@ static void run_case(int dtype, int causal, int align, int64_t wl, int64_t wr) {
     a.mask_stride[0] = HQ * L * S; a.mask_stride[1] = L * S; a.mask_stride[2] = S; a.mask_stride[3] = 1;
     a.causal = causal; a.align = align; a.window_left = wl; a.window_right = wr;
     a.kv_len = kv_len;
+    a.softcap = mods.softcap;
+    a.alibi_slopes = mods.slopes;
+    a.alibi_stride[0] = 0; a.alibi_stride[1] = 1;
+    a.sinks = mods.sinks;
+    a.q_start = mods.q_start; a.k_start = mods.k_start;
     a.num_threads = 2;
     int rc = fa_attention(&a);
     check(rc == FA_OK, fa_strerror(rc));
@@ -107,8 +128,9 @@ static void run_case(int dtype, int causal, int align, int64_t wl, int64_t wr) {
                 else if (!(fabs(got_lse - ref_lse) <= worst)) worst = fmax(worst, fabs(got_lse - ref_lse));
             }
     char what[160];
-    snprintf(what, sizeof what, "%s %s causal=%d align=%d window=(%lld,%lld): max error %.3g", fa_isa(),
-             f32 ? "f32" : "f64", causal, align, (long long)wl, (long long)wr, worst);
+    snprintf(what, sizeof what, "%s %s causal=%d align=%d window=(%lld,%lld) softcap=%g alibi=%d sinks=%d "
+             "positions=%d: max error %.3g", fa_isa(), f32 ? "f32" : "f64", causal, align, (long long)wl,
+             (long long)wr, mods.softcap, !!mods.slopes, !!mods.sinks, !!mods.q_start, worst);
     check(worst < (f32 ? 2e-5 : 1e-12), what);
 }
 
@@ -122,6 +144,20 @@ int main(void) {
             run_case(dt, 1, FA_ALIGN_BOTTOM_RIGHT, -1, -1);
             run_case(dt, 1, FA_ALIGN_TOP_LEFT, 5, -1);
             run_case(dt, 0, FA_ALIGN_BOTTOM_RIGHT, 9, 3);
+            /* each modifier, then all together */
+            static const double slopes[HQ] = {0.5, 0.25, 0.125, 0.0625}, sinks[HQ] = {0.3, -1, -INFINITY, 2};
+            static const int64_t q_start[B] = {100, 7}, k_start[B] = {80, 0};
+            mods.softcap = 0.4;
+            run_case(dt, 1, FA_ALIGN_BOTTOM_RIGHT, -1, -1);
+            mods.softcap = 0; mods.slopes = slopes;
+            run_case(dt, 1, FA_ALIGN_TOP_LEFT, -1, -1);
+            mods.slopes = NULL; mods.sinks = sinks;
+            run_case(dt, 0, FA_ALIGN_BOTTOM_RIGHT, 9, 3);
+            mods.sinks = NULL; mods.q_start = q_start; mods.k_start = k_start;
+            run_case(dt, 1, FA_ALIGN_BOTTOM_RIGHT, 30, -1);
+            mods.softcap = 0.4; mods.slopes = slopes; mods.sinks = sinks;
+            run_case(dt, 1, FA_ALIGN_BOTTOM_RIGHT, -1, -1);
+            mods.softcap = 0; mods.slopes = NULL; mods.sinks = NULL; mods.q_start = mods.k_start = NULL;
         }
         printf("%s: checked\n", isas[n]);
     }
@@ -158,6 +194,21 @@ int main(void) {
     int64_t bad_len[1] = {5};
     a.out_stride[0] = 16; a.out_stride[1] = 16; a.out_stride[2] = 4; a.kv_len = bad_len;
     check(fa_attention(&a) == FA_ERR_KV_LEN, "kv_len above S");
+    a.kv_len = NULL; a.softcap = -1;
+    check(fa_attention(&a) == FA_ERR_SOFTCAP, "negative softcap");
+    a.softcap = INFINITY;
+    check(fa_attention(&a) == FA_ERR_SOFTCAP, "infinite softcap");
+    a.softcap = 0;
+    double nan_slope[1] = {NAN}, inf_sink[1] = {INFINITY};
+    a.alibi_slopes = nan_slope;
+    check(fa_attention(&a) == FA_ERR_ALIBI, "NaN ALiBi slope");
+    a.alibi_slopes = NULL; a.sinks = inf_sink;
+    check(fa_attention(&a) == FA_ERR_SINKS, "+inf sink");
+    a.sinks = NULL;
+    int64_t far[1] = {(int64_t)1 << 61};
+    a.k_start = far;
+    check(fa_attention(&a) == FA_ERR_POSITION, "position beyond 2^60");
+    a.k_start = NULL;
     check(fa_strerror(FA_ERR_HEADS)[0] != 0 && fa_strerror(12345)[0] != 0, "fa_strerror");
 
     printf("C API: %d passed, %d failed\n", passed, failed);
