@@ -322,13 +322,7 @@ def attention(q, k, v, *, mask=None, causal=False, window=None, kv_lengths=None,
     weights : ndarray, (..., Hq, L, S)
         Only with ``return_weights=True``; last.
     """
-    modifiers = dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, q_start=q_start,
-                     k_start=k_start)
-    if return_weights:
-        return _with_weights(q, k, v, mask=mask, causal=causal, window=window, kv_lengths=kv_lengths,
-                             scale=scale, out=out, return_lse=return_lse, num_threads=num_threads,
-                             **modifiers)
-    if (mask is None and window is None and not return_lse
+    if (mask is None and window is None and not return_lse and not return_weights
             and softcap is None and alibi_slopes is None and sinks is None
             and q_start is None and k_start is None
             and (causal is False or causal is True)
@@ -340,6 +334,12 @@ def attention(q, k, v, *, mask=None, causal=False, window=None, kv_lengths=None,
                                          out)
         if result is not None:
             return result
+    modifiers = dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, q_start=q_start,
+                     k_start=k_start)
+    if return_weights:
+        return _with_weights(q, k, v, mask=mask, causal=causal, window=window, kv_lengths=kv_lengths,
+                             scale=scale, out=out, return_lse=return_lse, num_threads=num_threads,
+                             **modifiers)
     return _run(_prepare(q, k, v, mask=mask, causal=causal, window=window, kv_lengths=kv_lengths,
                          scale=scale, out=out, return_lse=return_lse, num_threads=num_threads,
                          **modifiers))

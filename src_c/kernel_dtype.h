@@ -53,7 +53,9 @@ static inline void FN(mask_block)(T *st, int64_t rs, int64_t js, const fa_args *
  *     tanh|y| = −u / (2 + u),   u = e^(−2|y|) − 1 = 2^(|s|·k) − 1,  k = −2·log2 e / c
  * with 2^x − 1 from v_exp2m1 (no cancellation near 0) and the sign put back.
  * Large |s| gives ±c exactly; NaN stays NaN. Measured maximum error against
- * tanh in long double: tests/test_modifiers.py (stated in docs/modifiers.md). */
+ * c·tanh(s/c) in long double over |s/c| ≤ 20 (6·10⁵ points, every ISA):
+ * 4.02 ulp (float) and 3.84 ulp (double), both near |s/c| ~ 10⁻⁵ where the
+ * argument's rounding dominates; tests/test_modifiers.py holds it to 4.5. */
 static inline void FN(softcap_vectors)(VT *x, int64_t nv, T c) {
     const T k = (T)(-2 * 1.4426950408889634074) / c;
     const VU sign = (VU)FN(v_splat)(-(T)0);

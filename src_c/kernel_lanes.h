@@ -235,9 +235,15 @@ static void FN(lanes_pack_q)(const fa_plan *p, const int64_t *q_row, int64_t row
     }
 }
 
-/* ALiBi on a block (key j0 + j, lane r): s += −slope_r · |j0 + j − d_r|,
- * with d_r − j0 converted once per block (exact while under 2^24 / 2^53). */
-static void FN(lanes_alibi)(VT *st, int nvc, int64_t j0, int64_t nb, const T *neg_slope, const int64_t *diag) {
+/* Softcap, then ALiBi on a block (key j0 + j, lane r):
+ *     s := c·tanh(s/c),   s += −slope_r · |j0 + j − d_r|
+ * with d_r − j0 converted once per block (exact while under 2^24 / 2^53).
+ * Kept out of line: the block loop of a plain call stays as lean as before. */
+static __attribute__((noinline)) void FN(lanes_modify)(const fa_args *a, VT *st, int nvc, int64_t j0, int64_t nb,
+                                                       const T *neg_slope, const int64_t *diag) {
+    if (a->softcap > 0)
+        for (int64_t j = 0; j < nb; j++) FN(softcap_vectors)(st + j * FA_NV, nvc, (T)a->softcap);
+    if (!a->alibi_slopes) return;
     VT ns[FA_NV], dd[FA_NV];
     for (int u = 0; u < nvc; u++)
         for (int i = 0; i < W; i++) {
@@ -260,6 +266,7 @@ static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, const fa_rows 
     const T *k = (const T *)a->k + it->b * a->k_stride[0] + it->hk * a->k_stride[1];
     const T *v = (const T *)a->v + it->b * a->v_stride[0] + it->hk * a->v_stride[1];
     const int64_t k_rs = a->k_stride[2], v_rs = a->v_stride[2];
+    const int modify = a->softcap > 0 || a->alibi_slopes;
     for (int u = 0; u < FA_NV; u++) {
         s.m[u] = FN(v_splat)(-(T)INFINITY);
         s.l[u] = (VT){0};
@@ -270,9 +277,7 @@ static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, const fa_rows 
     for (int64_t j0 = f->j_begin; j0 < f->j_end; j0 += FA_BK) {
         const int64_t nb = f->j_end - j0 < FA_BK ? f->j_end - j0 : FA_BK;
         FN(scores_tile)(nvc, s.st, k + j0 * k_rs, k_rs, s.qt, E, nb, v + j0 * v_rs, v_rs, Ev);
-        if (a->softcap > 0)
-            for (int64_t j = 0; j < nb; j++) FN(softcap_vectors)(s.st + j * FA_NV, nvc, (T)a->softcap);
-        if (a->alibi_slopes) FN(lanes_alibi)(s.st, nvc, j0, nb, neg_slope, diag);
+        if (modify) FN(lanes_modify)(a, s.st, nvc, j0, nb, neg_slope, diag);
         FN(mask_block)((T *)s.st, 1, BQ, a, f, lo, hi, m_row, rows, j0, nb);
         FN(softmax_block)(nvc, s.st, nb, s.m, s.l, s.alpha);
         FN(values_tile)(nvc, s.ot, v + j0 * v_rs, v_rs, s.st, Ev, nb, j0 == f->j_begin ? 0 : s.alpha);
@@ -280,15 +285,22 @@ static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, const fa_rows 
 }
 
 /* The store: out = Oᵀ · (1/l) lane-wise, transposed back into the caller's
- * rows (whole W×W blocks in registers), and each row's lse. */
+ * rows (whole W×W blocks in registers), and each row's lse; sink: each
+ * lane's sink logit, or NULL for none. */
 static void FN(lanes_store)(const fa_plan *p, const fa_item *it, const T *sink, int nvc, FN(lanes_bufs) s) {
     const fa_args *a = p->a;
     const int64_t Ev = a->Ev, rows = it->rows, ev_full = Ev / W * W;
     const T *m_s = (const T *)s.m, *l_s = (const T *)s.l, *ot_s = (const T *)s.ot;
     T *out = FN(item_out)(it, a), *lse = FN(item_lse)(it, a);
     T *inv = (T *)s.alpha, lse_r[BQ];
-    for (int64_t r = 0; r < (int64_t)nvc * W; r++)
-        FN(finish_row)(m_s[r], l_s[r], sink[r], &inv[r], lse ? &lse_r[r] : NULL);
+    if (sink) /* finish_row lane by lane */
+        for (int64_t r = 0; r < (int64_t)nvc * W; r++)
+            FN(finish_row)(m_s[r], l_s[r], sink[r], &inv[r], lse ? &lse_r[r] : NULL);
+    else { /* no sink: finish_row's 1/l (0 for l = 0) a vector at a time, the same bits */
+        for (int u = 0; u < nvc; u++) s.alpha[u] = FN(v_select)((VU)(s.l[u] == 0), (VT){0}, 1 / s.l[u]);
+        if (lse)
+            for (int64_t r = 0; r < it->rows; r++) FN(finish_row)(m_s[r], l_s[r], -(T)INFINITY, &inv[r], &lse_r[r]);
+    }
     for (int64_t e = 0; e < Ev; e++)
         for (int u = 0; u < nvc; u++) s.ot[e * FA_NV + u] *= s.alpha[u];
     int64_t o_off[BQ], lse_off[BQ];
@@ -316,10 +328,9 @@ static void FN(lanes_item)(const fa_plan *p, const fa_item *it, void *scratch) {
     T neg_slope[BQ], sink[BQ];
     int64_t diag[BQ];
     if (p->a->alibi_slopes || p->a->sinks) FN(item_mods)(p, it, nvc * W, neg_slope, diag, sink);
-    else for (int64_t r = 0; r < nvc * W; r++) sink[r] = -(T)INFINITY;
     FN(lanes_pack_q)(p, q_row, it->rows, nvc, s.qt);
     FN(lanes_blocks)(p, it, &f, lo, hi, m_row, neg_slope, diag, nvc, s);
-    FN(lanes_store)(p, it, sink, nvc, s);
+    FN(lanes_store)(p, it, p->a->sinks && !it->partial ? sink : NULL, nvc, s);
 }
 
 #undef TILE
