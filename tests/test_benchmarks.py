@@ -1,8 +1,10 @@
 """The benchmark harness works (no timing is asserted: benchmarks are not tests).
 
 The pytest-benchmark suite runs once with --benchmark-disable so it cannot rot;
-each installed peer adapter matches the reference; a peer that fails its check
-or raises is reported and not timed; the shape table's FLOP counts are right.
+each installed peer adapter matches the reference, with each score modifier it
+runs too; a peer that fails its check or raises is reported and not timed (a
+dropped modifier included); the shape table's FLOP counts are right; modifier
+rows get their cost over the plain call of the same run.
 """
 import io
 import pathlib
@@ -12,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from fastattn.bench import block, checks, peers, plot, report, run, timing
+from fastattn.bench import block, checks, peers, plot, report, run, shapes, timing
 from fastattn.bench.shapes import BLOCK_SHAPES, SHAPE_GROUPS, SHAPES, SHAPES_BY_NAME, Shape
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -250,3 +252,199 @@ def test_block_run_reports_tokens_per_second(monkeypatch):
     table = report.markdown(peaks, results, shapes, libs)
     assert "Transformer block" in table and "Tokens per second" in table
     assert f"| bd: {SMALL_BLOCKS[1].label} |" in table
+
+
+# --------------------------------------------------------------------------
+# Score modifiers (--shapes modifiers): softcap, ALiBi, sinks
+# --------------------------------------------------------------------------
+
+MODIFIERS = list(shapes.MODIFIER_TITLES)
+# E = 64 as in the bench's shapes: with softcap 50 on saturating scores the
+# kernel's tanh (4 ulp; NumPy's ~2.5) puts fastattn at 0.5-0.9 of the suite's
+# tolerance at E = 64, and up to 1.2 of it at E = 16 (where 16 ulp of max|V|
+# is a lower floor): a margin the report states, not one these tests hide.
+SMALL_MOD_BASES = [Shape("mc", 1, 4, 2, 64, 64, 64, causal=True),        # causal prefill, GQA
+                   Shape("md", 1, 8, 2, 1, 500, 64, kind="decode")]      # GQA decode
+
+
+def test_modifier_shapes():
+    group = SHAPE_GROUPS["modifiers"]
+    assert [s.name for s in group] == [
+        "causal2048", "causal2048_softcap", "causal2048_alibi", "causal2048_sinks",
+        "dec8k_gqa", "dec8k_gqa_softcap", "dec8k_gqa_alibi", "dec8k_gqa_sinks"]
+    assert group[0] is SHAPES_BY_NAME["causal2048"] and group[4] is SHAPES_BY_NAME["dec8k_gqa"]
+    # not in the full and decode groups (those are SHAPES), but each can be named
+    assert not {s.name for s in SHAPES} & {s.name for s in shapes.MODIFIER_SHAPES}
+    assert all(SHAPES_BY_NAME[s.name] is s for s in group)
+    for s in group:
+        base = SHAPES_BY_NAME[s.base or s.name]
+        assert (s.B, s.Hq, s.Hkv, s.L, s.S, s.E, s.causal, s.kind) == \
+            (base.B, base.Hq, base.Hkv, base.L, base.S, base.E, base.causal, base.kind)
+    assert SHAPES_BY_NAME["causal2048_softcap"].flops == 4 * 8 * 2048 * 2048 * 64 // 2
+    assert SHAPES_BY_NAME["dec8k_gqa_alibi"].flops == 4 * 32 * 1 * 8192 * 128
+    assert SHAPES_BY_NAME["dec8k_gqa_alibi"].kv_bytes() == 2 * 8 * 8192 * 128 * 4
+    assert SHAPES_BY_NAME["causal2048_softcap"].label == "causal 1×8×2048×2048×64 + softcap 50"
+    assert SHAPES_BY_NAME["dec8k_gqa_sinks"].label == "decode GQA 1×32/8×1×8192×128 + sinks"
+
+
+def test_modifier_arguments_and_inputs():
+    base = SMALL_MOD_BASES[0]
+    assert base.modifier_args() == {}
+    cap, alibi, sinks = (shapes.with_modifier(base, m) for m in MODIFIERS)
+    assert cap.modifier_args() == {"softcap": 50.0}
+    np.testing.assert_array_equal(alibi.modifier_args()["alibi_slopes"],
+                                  [2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8])  # BLOOM, H = 4
+    assert sinks.modifier_args()["sinks"].shape == (4,)
+    q, k, v = base.inputs()
+    qc, kc, vc = cap.inputs()
+    # softcap: the plain inputs with q × c, so the scaled scores are N(0, c²): in tanh's curve
+    np.testing.assert_array_equal(qc, q * np.float32(50))
+    np.testing.assert_array_equal(kc, k)
+    scores = qc @ np.repeat(kc, 2, axis=1).swapaxes(-1, -2) / np.sqrt(base.E)
+    assert 25 < scores.std() < 100
+    np.testing.assert_array_equal(alibi.inputs()[0], q)
+
+
+def test_with_plain_puts_the_plain_shape_first():
+    picked = shapes.with_plain([SHAPES_BY_NAME["tiny"], SHAPES_BY_NAME["dec8k_gqa_alibi"],
+                                SHAPES_BY_NAME["dec8k_gqa_sinks"]])
+    assert [s.name for s in picked] == ["tiny", "dec8k_gqa", "dec8k_gqa_alibi", "dec8k_gqa_sinks"]
+    assert shapes.with_plain(SHAPE_GROUPS["modifiers"]) == SHAPE_GROUPS["modifiers"]
+
+
+class NoModifiers(peers.NumPyTextbook):
+    """A peer with no modifier: its modifier cells are n/a, and it is not run there."""
+    name, title, modifiers = "nomods", "No modifiers", ()
+
+    def prepare(self, q, k, v, causal, threads, **mods):
+        self.refuse_others(mods)
+        return super().prepare(q, k, v, causal, threads)
+
+
+def _modifier_run(monkeypatch, libs, threads=(1,)):
+    monkeypatch.setitem(peers.LIBRARIES, "nomods", NoModifiers())
+    monkeypatch.setattr(timing, "PEAK_N", 128)
+    monkeypatch.setattr(timing, "PAUSE_S", 0)
+    monkeypatch.setattr(timing, "BANDWIDTH_BYTES", 2**22)
+    mod_shapes = [s for b in SMALL_MOD_BASES
+                  for s in [b] + [shapes.with_modifier(b, m) for m in MODIFIERS]]
+    progress = run.Progress(1, stream=io.StringIO())
+    peaks, results, bandwidths = run.run(mod_shapes, libs, list(threads), repeat=2, min_time=0,
+                                            progress=progress)
+    return mod_shapes, results, report.markdown(peaks, results, mod_shapes, libs, bandwidths)
+
+
+def test_modifier_run_reports_cost_over_the_plain_call(monkeypatch):
+    installed = [n for n in ("torch", "onnxruntime", "ort_gqa") if peers.LIBRARIES[n].installed()]
+    libs = ["fastattn", "numpy", "nomods"] + installed
+    mod_shapes, results, table = _modifier_run(monkeypatch, libs)
+    by_key = {(r.shape, r.library): r for r in results}
+    for s in mod_shapes:
+        for name in libs:
+            lib = peers.LIBRARIES[name]
+            if not run._runs_on(lib, s):
+                assert (s.name, name) not in by_key
+                continue
+            r = by_key[(s.name, name)]
+            assert r.status == "ok", (s.name, name, r.detail)
+            if s.modifier:
+                plain = by_key[(s.base, name)]
+                assert r.ratio_to_plain == pytest.approx(r.median_s / plain.median_s)
+            else:
+                assert r.ratio_to_plain is None
+    for name in ("fastattn", "numpy"):  # every modifier, both shapes
+        assert all((s.name, name) in by_key for s in mod_shapes)
+    assert not [r for r in results if r.library == "nomods" and r.shape.endswith(tuple(MODIFIERS))]
+    assert "Score modifiers:" in table and "n/a: the library has no such score modifier" in table
+    cost = table[table.index("Score modifiers:"):]
+    row = next(line for line in cost.splitlines() if line.startswith("| mc_softcap:"))
+    cells = [c.strip() for c in row.strip("|").split("|")][1:]
+    assert cells[0].endswith("×") and cells[2] == "n/a"  # fastattn's ratio; nomods lacks it
+    assert f"{by_key[('mc_softcap', 'fastattn')].ratio_to_plain:.2f}×" == cells[0]
+    assert "| md_sinks: decode GQA 1×8/2×1×500×64 + sinks |" in cost
+
+
+@pytest.mark.parametrize("modifier", MODIFIERS)
+def test_a_dropped_modifier_fails_the_check(monkeypatch, modifier):
+    """fastattn's adapter planted to leave the modifier out: the check must
+    report it, not time a fast wrong call."""
+    real = peers.FastAttn.prepare
+    keyword = peers.MODIFIER_KEYWORDS[modifier]
+
+    def drops_it(self, q, k, v, causal, threads, **mods):
+        mods.pop(keyword, None)
+        return real(self, q, k, v, causal, threads, **mods)
+
+    monkeypatch.setattr(peers.FastAttn, "prepare", drops_it)
+    monkeypatch.setattr(timing, "PEAK_N", 128)
+    monkeypatch.setattr(timing, "PAUSE_S", 0)
+    monkeypatch.setattr(timing, "BANDWIDTH_BYTES", 2**22)
+    mod_shapes = [s for b in SMALL_MOD_BASES for s in (b, shapes.with_modifier(b, modifier))]
+    progress = run.Progress(1, stream=io.StringIO())
+    peaks, results, bw = run.run(mod_shapes, ["fastattn", "numpy"], [1], repeat=2, min_time=0,
+                                    progress=progress)
+    by_key = {(r.shape, r.library): r for r in results}
+    for s in mod_shapes:
+        fast, textbook = by_key[(s.name, "fastattn")], by_key[(s.name, "numpy")]
+        assert textbook.status == "ok"
+        if s.modifier:
+            assert fast.status == "failed check" and fast.median_s is None, fast
+            assert fast.ratio_to_plain is None
+        else:
+            assert fast.status == "ok"
+    table = report.markdown(peaks, results, mod_shapes, ["fastattn", "numpy"], bw)
+    cost = table[table.index("Score modifiers:"):]
+    assert f"| mc_{modifier}: " in cost and "✗ check" in cost and "Not timed:" in cost
+
+
+def _peer_modifier_cases():
+    for name, lib in peers.LIBRARIES.items():
+        for modifier in lib.modifiers:
+            yield pytest.param(name, modifier, id=f"{name}-{modifier}")
+
+
+@pytest.mark.parametrize("name, modifier", list(_peer_modifier_cases()))
+def test_peer_modifier_matches_reference(name, modifier):
+    """Each adapter's modifiers against the reference with that modifier (ORT's
+    softcap attribute, its ALiBi masks and GQA's head_sink included), on every
+    base it runs, when the library is installed."""
+    lib = peers.LIBRARIES[name]
+    if not lib.installed():
+        pytest.skip(f"{name} not installed")
+    for base in SMALL_MOD_BASES:
+        shape = shapes.with_modifier(base, modifier)
+        if not run._runs_on(lib, shape):
+            continue
+        q, k, v = shape.inputs()
+        ref = checks.reference_for(shape, q, k, v)
+        plain = checks.reference_for(base, q, k, v)
+        out = np.asarray(lib.prepare(q, k, v, shape.causal, 1, **shape.modifier_args())())
+        assert out.shape == q.shape[:-1] + (v.shape[-1],)
+        assert checks.max_error(out, ref) <= ref.tolerance, shape.name
+        assert checks.max_error(out, plain) > 100 * plain.tolerance  # the modifier does matter
+
+
+def test_adapters_refuse_modifiers_they_lack():
+    for name, lib in peers.LIBRARIES.items():
+        lacking = [m for m in MODIFIERS if m not in lib.modifiers]
+        for m in lacking:
+            assert not lib.has(m)
+            with pytest.raises(NotImplementedError, match=peers.MODIFIER_KEYWORDS[m]):
+                lib.refuse_others({peers.MODIFIER_KEYWORDS[m]: 1.0})
+        assert lib.has("")
+    assert set(peers.LIBRARIES["fastattn"].modifiers) == set(MODIFIERS)
+    assert set(peers.LIBRARIES["numpy"].modifiers) == set(MODIFIERS)
+
+
+def test_bench_command_times_a_modifier_row_against_its_plain_shape(monkeypatch, capsys):
+    from fastattn import __main__ as cli
+    monkeypatch.setattr(timing, "PEAK_N", 128)
+    monkeypatch.setattr(timing, "PAUSE_S", 0)
+    monkeypatch.setattr(timing, "BANDWIDTH_BYTES", 2**22)
+    assert cli.main(["bench", "--shapes", "dec8k_gqa_sinks", "--peers", "numpy", "--threads", "1",
+                     "--repeat", "2", "--min-time", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "| dec8k_gqa: decode GQA 1×32/8×1×8192×128 |" in out  # the plain shape, added
+    cost = out[out.index("Score modifiers:"):]
+    row = next(line for line in cost.splitlines() if line.startswith("| dec8k_gqa_sinks:"))
+    assert [c.strip()[-1] for c in row.strip("|").split("|")[1:]] == ["×", "×"]

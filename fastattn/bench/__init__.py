@@ -13,7 +13,7 @@ import numpy as np
 
 import fastattn
 from fastattn.bench import header, peers, plot, report, run, timing
-from fastattn.bench.shapes import SHAPES_BY_NAME
+from fastattn.bench.shapes import SHAPES_BY_NAME, with_plain
 
 TIMING_SHAPE = SHAPES_BY_NAME["enc512"]
 
@@ -55,6 +55,7 @@ def main(args):
     status = run.library_status(requested)
     libraries = [name for name, s in status.items() if s == "ok"]
     threads = args.threads or [fastattn.info()["max_threads"]]
+    args.shapes = with_plain(args.shapes)  # a modifier row is timed against its plain shape
     head = header.header(requested, status, threads, args.dtype)
     print("\n".join(header.format_header(head)), flush=True)
     peaks, results, bandwidths = run.run(args.shapes, libraries, threads,

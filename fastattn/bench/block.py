@@ -38,6 +38,7 @@ class BlockShape:
     kind = "block"
     causal = True
     decode = False  # not one of the bench's decode (bandwidth) rows
+    modifier = base = ""  # no score modifier rows
 
     @property
     def E(self):

@@ -33,14 +33,16 @@ def tolerance(textbook_error, vmax):
 
 def reference_for(shape, q, k, v):
     """The last rows only: with causal=True (bottom-right alignment) the last r
-    rows against all keys are exactly those rows of the full problem."""
+    rows against all keys are exactly those rows of the full problem (ALiBi's
+    diagonal is bottom-right too). With the shape's score modifier, if any."""
     rows = check_rows(shape)
     qs = q[..., q.shape[-2] - rows:, :]
-    expected = reference.attention(qs, k, v, causal=shape.causal)
+    mods = shape.modifier_args()
+    expected = reference.attention(qs, k, v, causal=shape.causal, **mods)
     if q.dtype == np.float64:
         tol = 1e-12 * max(float(np.abs(v).max()), 1.0)
     else:
-        textbook = reference.attention(qs, k, v, causal=shape.causal, dtype=q.dtype)
+        textbook = reference.attention(qs, k, v, causal=shape.causal, dtype=q.dtype, **mods)
         tol = tolerance(float(np.abs(textbook - expected).max()), float(np.abs(v).max()))
     return Reference(rows, expected, tol)
 

@@ -3,7 +3,10 @@
 An adapter imports its library only when asked, says whether it is installed,
 and builds a ready-to-time callable for one problem: the model, session or
 tensors are made once, outside the timing loop, and the thread count is set
-there. It does no timing and no checking: fastattn.bench.run and .checks do.
+there. A score modifier (softcap, ALiBi, sinks) is passed as fastattn's
+keyword; an adapter lists in ``modifiers`` those its library can express and
+refuses the others. It does no timing and no checking: fastattn.bench.run
+and .checks do.
 """
 import importlib
 import importlib.metadata
@@ -11,6 +14,10 @@ import importlib.util
 import math
 
 import numpy as np
+
+
+# a score modifier (a Shape's ``modifier``) → its keyword in fastattn.attention and prepare()
+MODIFIER_KEYWORDS = {"softcap": "softcap", "alibi": "alibi_slopes", "sinks": "sinks"}
 
 
 class Peer:
@@ -22,6 +29,7 @@ class Peer:
     module = ""    # what must be importable
     dists = ()     # distributions whose versions the header prints
     kinds = None   # the Shape kinds it runs on ("full", "decode"); None: every shape
+    modifiers = ()  # the score modifiers it runs ("softcap", "alibi", "sinks"); others are n/a
 
     def installed(self):
         return importlib.util.find_spec(self.module) is not None
@@ -39,16 +47,32 @@ class Peer:
         """Import the library now (so the header's thread-pool list sees it)."""
         return importlib.import_module(self.module)
 
-    def prepare(self, q, k, v, causal, threads):
+    def has(self, modifier):
+        """Whether it runs shapes with this modifier ("" = the plain call)."""
+        return not modifier or modifier in self.modifiers
+
+    def refuse_others(self, mods):
+        """Raise for a modifier keyword this adapter does not apply: never time
+        a call that silently leaves it out."""
+        known = {MODIFIER_KEYWORDS[m] for m in self.modifiers}
+        unknown = [name for name, value in mods.items() if value is not None and name not in known]
+        if unknown:
+            raise NotImplementedError(f"{self.title} has no {', '.join(unknown)}")
+
+    def prepare(self, q, k, v, causal, threads, **mods):
+        """``mods``: fastattn's modifier keywords (softcap=, alibi_slopes=, sinks=)."""
         raise NotImplementedError
 
 
 class FastAttn(Peer):
     name, title, module, dists = "fastattn", "fastattn", "fastattn", ("fastattn",)
+    modifiers = tuple(MODIFIER_KEYWORDS)
 
-    def prepare(self, q, k, v, causal, threads):
+    def prepare(self, q, k, v, causal, threads, **mods):
         from fastattn import attention
-        return lambda: attention(q, k, v, causal=causal, num_threads=threads)
+        if not mods:  # the plain call as a user writes it (the binding's fast path)
+            return lambda: attention(q, k, v, causal=causal, num_threads=threads)
+        return lambda: attention(q, k, v, causal=causal, num_threads=threads, **mods)
 
 
 class NumPyTextbook(Peer):
@@ -56,15 +80,23 @@ class NumPyTextbook(Peer):
 
     GQA repeats K/V heads inside the call: a NumPy model gets fresh K and V
     every call, so the copy is part of its cost. The causal mask depends on the
-    shape only, so it is built once. NumPy's BLAS threads are the caller's to
-    set (threadpoolctl); ``threads`` is not used here.
+    shape only, so it is built once (with the ALiBi bias in it, when asked).
+    NumPy's BLAS threads are the caller's to set (threadpoolctl); ``threads``
+    is not used here.
     """
 
     name, title, module, dists = "numpy", "NumPy", "numpy", ("numpy",)
+    modifiers = tuple(MODIFIER_KEYWORDS)
 
-    def prepare(self, q, k, v, causal, threads):
-        mask = causal_mask(q.shape[-2], k.shape[-2], q.dtype) if causal else None
-        return lambda: textbook_attention(q, k, v, mask)
+    def prepare(self, q, k, v, causal, threads, softcap=None, alibi_slopes=None, sinks=None):
+        L, S = q.shape[-2], k.shape[-2]
+        if alibi_slopes is not None:
+            mask = alibi_mask(alibi_slopes, L, S, causal, q.dtype)
+        else:
+            mask = causal_mask(L, S, q.dtype) if causal else None
+        if sinks is not None:
+            sinks = np.asarray(sinks, q.dtype)[:, None, None]  # (Hq, 1, 1)
+        return lambda: textbook_attention(q, k, v, mask, softcap, sinks)
 
 
 def causal_mask(L, S, dtype):
@@ -73,19 +105,41 @@ def causal_mask(L, S, dtype):
     return np.triu(np.full((L, S), -np.inf, dtype), k=S - L + 1)
 
 
-def textbook_attention(q, k, v, mask=None):
+def alibi_mask(slopes, L, S, causal, dtype):
+    """ALiBi as an additive (Hq, L, S) mask: −slope[h]·|j − (i + S − L)|, the
+    distance from the row's bottom-right diagonal, plus −inf above it when
+    causal. On causal rows this is BLOOM's slope·j up to a per-row constant."""
+    distance = np.abs(np.arange(S)[None, :] - np.arange(S - L, S)[:, None])
+    bias = (-np.asarray(slopes, np.float64)[:, None, None] * distance).astype(dtype)
+    return bias + causal_mask(L, S, dtype) if causal else bias
+
+
+def textbook_attention(q, k, v, mask=None, softcap=None, sinks=None):
     """softmax(q kᵀ/√E + mask) v as a NumPy user writes it: K/V heads repeated
-    per group (a copy each call), scores, max-subtracted exp, row sums."""
+    per group (a copy each call), scores, max-subtracted exp, row sums. With
+    softcap, the scaled scores become c·tanh(s/c) before the mask; with sinks
+    ((Hq, 1, 1) logits), each head's sink joins the row max and the sum."""
     group = q.shape[-3] // k.shape[-3]
     if group > 1:
         k, v = np.repeat(k, group, axis=-3), np.repeat(v, group, axis=-3)
     s = q @ k.swapaxes(-1, -2)
     s *= q.dtype.type(1 / math.sqrt(q.shape[-1]))
+    if softcap is not None:
+        c = q.dtype.type(softcap)
+        s /= c
+        np.tanh(s, out=s)
+        s *= c  # c·tanh(s/c)
     if mask is not None:
         s += mask
-    s -= s.max(axis=-1, keepdims=True)  # stable: every exponent <= 0
+    m = s.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        m = np.maximum(m, sinks)
+    s -= m  # stable: every exponent <= 0
     np.exp(s, out=s)
-    s /= s.sum(axis=-1, keepdims=True)
+    total = s.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        total += np.exp(sinks - m)  # the sink: in the denominator, no value
+    s /= total
     return s @ v
 
 
@@ -95,13 +149,26 @@ class Torch(Peer):
     L == S, where both alignments agree."""
 
     name, title, module, dists = "torch", "PyTorch", "torch", ("torch",)
+    # SDPA has no softcap and no sinks; ALiBi goes in as an additive float
+    # mask (the causal −inf folded in: SDPA takes attn_mask or is_causal)
+    modifiers = ("alibi",)
 
-    def prepare(self, q, k, v, causal, threads):
+    def prepare(self, q, k, v, causal, threads, **mods):
+        self.refuse_others(mods)
         torch = self.load()
         torch.set_num_threads(threads)  # global in torch; set right before its own loop
         tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
         gqa = q.shape[-3] != k.shape[-3]
         sdpa = torch.nn.functional.scaled_dot_product_attention
+        if mods.get("alibi_slopes") is not None:
+            mask = torch.from_numpy(alibi_mask(mods["alibi_slopes"], q.shape[-2], k.shape[-2],
+                                               causal, q.dtype))
+
+            def call():
+                with torch.inference_mode():
+                    return sdpa(tq, tk, tv, attn_mask=mask, enable_gqa=gqa)
+
+            return call
 
         def call():
             with torch.inference_mode():
@@ -112,21 +179,32 @@ class Torch(Peer):
 
 class OnnxRuntime(Peer):
     """A one-node ONNX model with the standard ``Attention`` operator (opset 23):
-    (B, H, L, E) inputs, GQA from K/V having fewer heads, ``is_causal`` top-left."""
+    (B, H, L, E) inputs, GQA from K/V having fewer heads, ``is_causal`` top-left.
+    Softcap is the operator's ``softcap`` attribute (opset 23; ONNX Runtime's
+    CPU kernel applies it, 1.32 checked), ALiBi an additive float ``attn_mask``
+    input added after the cap, with ``is_causal`` still on. No sinks input."""
 
     name, title, module, dists = "onnxruntime", "ONNX Runtime", "onnxruntime", ("onnxruntime", "onnx")
+    modifiers = ("softcap", "alibi")
 
     def installed(self):
         return super().installed() and importlib.util.find_spec("onnx") is not None
 
-    def prepare(self, q, k, v, causal, threads):
+    def prepare(self, q, k, v, causal, threads, **mods):
+        self.refuse_others(mods)
         ort = self.load()
         from onnx import helper
         elem = helper.np_dtype_to_tensor_dtype(q.dtype)
-        inputs = [helper.make_tensor_value_info(n, elem, list(x.shape))
-                  for n, x in (("Q", q), ("K", k), ("V", v))]
+        feeds = {"Q": q, "K": k, "V": v}
+        attrs = {"is_causal": int(bool(causal))}
+        if mods.get("softcap") is not None:
+            attrs["softcap"] = float(mods["softcap"])
+        if mods.get("alibi_slopes") is not None:
+            bias = alibi_mask(mods["alibi_slopes"], q.shape[-2], k.shape[-2], False, q.dtype)
+            feeds["attn_mask"] = bias[None]  # (1, Hq, L, S)
+        inputs = [helper.make_tensor_value_info(n, elem, list(x.shape)) for n, x in feeds.items()]
         output = helper.make_tensor_value_info("Y", elem, None)
-        node = helper.make_node("Attention", ["Q", "K", "V"], ["Y"], is_causal=int(bool(causal)))
+        node = helper.make_node("Attention", list(feeds), ["Y"], **attrs)
         opset = [helper.make_opsetid("", 23)]
         graph = helper.make_graph([node], "attention", inputs, [output])
         model = helper.make_model(graph, opset_imports=opset,
@@ -136,7 +214,6 @@ class OnnxRuntime(Peer):
         options.inter_op_num_threads = 1
         session = ort.InferenceSession(model.SerializeToString(), options,
                                        providers=["CPUExecutionProvider"])
-        feeds = {"Q": q, "K": k, "V": v}
         return lambda: session.run(None, feeds)[0]
 
 
@@ -152,13 +229,19 @@ class OrtGroupQueryAttention(OnnxRuntime):
 
     The op is causal by construction: L new rows see the cache and the new rows
     up to themselves. So it runs decode shapes only, and only where that is the
-    problem asked: L == 1, or causal (bottom-right)."""
+    problem asked: L == 1, or causal (bottom-right).
+
+    Modifiers: its ``softcap`` attribute, its ``head_sink`` input (one logit
+    per query head in the softmax denominator: sinks) and ALiBi as its
+    additive ``attention_bias`` input (B or 1, Hq, L, S)."""
 
     name, title = "ort_gqa", "ORT GroupQueryAttention"
     dists = ("onnxruntime",)
     kinds = ("decode",)
+    modifiers = ("softcap", "alibi", "sinks")
 
-    def prepare(self, q, k, v, causal, threads):
+    def prepare(self, q, k, v, causal, threads, **mods):
+        self.refuse_others(mods)
         ort = self.load()
         from onnx import TensorProto, helper
         B, Hq, L, E = q.shape
@@ -178,9 +261,22 @@ class OrtGroupQueryAttention(OnnxRuntime):
                   helper.make_tensor_value_info("total_sequence_length", i32, [])]
         outputs = [helper.make_tensor_value_info(n, f32, None)
                    for n in ("output", "present_key", "present_value")]
-        node = helper.make_node("GroupQueryAttention", [i.name for i in inputs],
+        names = [i.name for i in inputs]
+        extra, attrs = {}, {}
+        if mods.get("softcap") is not None:
+            attrs["softcap"] = float(mods["softcap"])
+        if mods.get("alibi_slopes") is not None:
+            extra["attention_bias"] = alibi_mask(mods["alibi_slopes"], L, S, False, q.dtype)[None]
+        if mods.get("sinks") is not None:
+            extra["head_sink"] = np.asarray(mods["sinks"], np.float32)
+        if extra:  # optional inputs are positional: "" skips one
+            order = ["cos_cache", "sin_cache", "position_ids", "attention_bias", "head_sink"]
+            used = order[:max(order.index(n) for n in extra) + 1]
+            names += [n if n in extra else "" for n in used]
+            inputs += [helper.make_tensor_value_info(n, f32, list(x.shape)) for n, x in extra.items()]
+        node = helper.make_node("GroupQueryAttention", names,
                                 [o.name for o in outputs], domain="com.microsoft",
-                                num_heads=Hq, kv_num_heads=Hkv, scale=1 / math.sqrt(E))
+                                num_heads=Hq, kv_num_heads=Hkv, scale=1 / math.sqrt(E), **attrs)
         opset = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
         model = helper.make_model(helper.make_graph([node], "gqa", inputs, outputs),
                                   opset_imports=opset, ir_version=10)
@@ -205,6 +301,8 @@ class OrtGroupQueryAttention(OnnxRuntime):
         binding.bind_ortvalue_input("past_value", cache_v)
         binding.bind_cpu_input("seqlens_k", np.full((B,), S - 1, np.int32))
         binding.bind_cpu_input("total_sequence_length", np.array(S, np.int32))
+        for n, x in extra.items():
+            binding.bind_cpu_input(n, np.ascontiguousarray(x))
         binding.bind_ortvalue_output("output", ort.OrtValue.ortvalue_from_numpy(out))
         binding.bind_ortvalue_output("present_key", cache_k)
         binding.bind_ortvalue_output("present_value", cache_v)
@@ -225,7 +323,8 @@ class OpenVINO(Peer):
 
     name, title, module, dists = "openvino", "OpenVINO", "openvino", ("openvino",)
 
-    def prepare(self, q, k, v, causal, threads):
+    def prepare(self, q, k, v, causal, threads, **mods):
+        self.refuse_others(mods)  # none yet: its attn_mask could carry ALiBi (untried)
         ov = self.load()
         ops = importlib.import_module("openvino.opset13")
         pq, pk, pv = (ops.parameter(list(x.shape), x.dtype) for x in (q, k, v))

@@ -1,6 +1,7 @@
 """The results as text: times and rates formatted, the Markdown tables
 (times with ratios to fastattn, GFLOP/s, GB/s for decode shapes, tokens/s for
-the block) and the JSON file. It reads Result rows; it runs nothing.
+the block, each score modifier's cost over the plain call) and the JSON file.
+It reads Result rows; it runs nothing.
 """
 import dataclasses
 import json
@@ -10,6 +11,7 @@ from fastattn.bench.header import BUSY
 from fastattn.bench.peers import LIBRARIES
 
 NOISY = 0.25            # a time is marked † when its interquartile range exceeds this share
+MODIFIER_TARGET = 1.10  # issue 11: a score modifier costs at most 10 % over the plain call
 
 
 def threads_text(n):
@@ -60,12 +62,22 @@ def _cell_tokens(r):
     return f"{r.tokens_per_s:,.0f}" if r.tokens_per_s >= 100 else _sig3(r.tokens_per_s)
 
 
+def _cell_cost(r):
+    """A modifier row: its time over the same library's plain call."""
+    if r is None or r.status != "ok":
+        return _cell_time(r) if r is not None else "—"
+    return "—" if r.ratio_to_plain is None else f"{r.ratio_to_plain:.2f}×"
+
+
 def _table(shapes, libraries, by_key, cell):
+    """A row per shape, a column per library; n/a where the library lacks the
+    shape's score modifier."""
     titles = [LIBRARIES[name].title for name in libraries]
     lines = ["| shape B×Hq×L×S×E | " + " | ".join(titles) + " |",
              "|---|" + "--:|" * len(titles)]
     for shape in shapes:
-        cells = [cell(by_key.get((shape.name, name))) for name in libraries]
+        cells = [cell(by_key.get((shape.name, name))) if LIBRARIES[name].has(shape.modifier)
+                 else "n/a" for name in libraries]
         lines.append(f"| {shape.name}: {shape.label} | " + " | ".join(cells) + " |")
     return lines
 
@@ -74,9 +86,13 @@ def markdown(peaks, results, shapes, libraries, bandwidths=None):
     """One pair of tables per thread count and kind of shape: times (with each
     peer's time over fastattn's), then GFLOP/s with the share of the matmul
     peak (full shapes) or GB/s of K and V read with the share of the read
-    bandwidth (decode shapes: bound by memory, not by the FPU)."""
+    bandwidth (decode shapes: bound by memory, not by the FPU). Score
+    modifier rows sit in those tables under their own names, and get one more
+    table: each one's time over the same library's plain call."""
     bandwidths = bandwidths or {}
     lines = []
+    modified = [sh for sh in shapes if sh.modifier]
+    na = "; n/a: the library has no such score modifier" if modified else ""
     for threads, peak in peaks.items():
         by_key = {(r.shape, r.library): r for r in results if r.threads == threads}
         bw = bandwidths.get(threads)
@@ -88,7 +104,7 @@ def markdown(peaks, results, shapes, libraries, bandwidths=None):
                   "Median time per call; in brackets, the time over fastattn's "
                   f"(above 1: fastattn is faster); † noisy: interquartile range over "
                   f"{100 * NOISY:.0f} % of the median; ‡ other processes used over "
-                  f"{100 * BUSY:.0f} % of the CPUs during the loop; — not run.", ""]
+                  f"{100 * BUSY:.0f} % of the CPUs during the loop; — not run{na}.", ""]
         full = [sh for sh in shapes if sh.kind == "full"]
         decode = [sh for sh in shapes if sh.decode]
         blocks = [sh for sh in shapes if sh.kind == "block"]
@@ -121,6 +137,14 @@ def markdown(peaks, results, shapes, libraries, bandwidths=None):
             lines += _table(blocks, libs, by_key, _cell_time)
             lines += ["", "Tokens per second through the block (B·new tokens per call):", ""]
             lines += _table(blocks, libs, by_key, _cell_tokens)
+            lines.append("")
+        if modified:
+            kinds = {sh.kind for sh in modified}
+            libs = [n for n in libraries if LIBRARIES[n].kinds is None or kinds & set(LIBRARIES[n].kinds)]
+            lines += ["Score modifiers: each row's median time over the same library's plain call "
+                      "of the shape it modifies (the row named without the suffix), both in this "
+                      f"run; issue 11's target for fastattn: at most {MODIFIER_TARGET:.2f}×.", ""]
+            lines += _table(modified, libs, by_key, _cell_cost)
             lines.append("")
     problems = [r for r in results if r.status != "ok"]
     if problems:

@@ -31,6 +31,7 @@ class Result:
     bandwidth_share: float = None  # decode shapes: of the same run's read bandwidth
     tokens_per_s: float = None    # block shapes: tokens through the block per second
     ratio_to_fastattn: float = None  # this library's time / fastattn's
+    ratio_to_plain: float = None  # modifier rows: this time / the same library's plain call's
     max_error: float = None
     tolerance: float = None
     samples: int = None
@@ -127,7 +128,9 @@ def run(shapes, libraries, threads_list, dtype=np.float32, repeat=10, min_time=0
     The peaks come first (and the read bandwidth when a decode shape is
     asked for); then shape by shape, so a shape's inputs and reference are
     made once and its thread counts run close in time. A library whose
-    ``kinds`` leaves a shape's kind out is not run on it.
+    ``kinds`` leaves a shape's kind out, or that lacks a shape's score
+    modifier, is not run on it. A modifier row's time is also taken over
+    the same library's time on the plain shape (``base``) in this run.
     Returns (peaks, results, bandwidths): {threads: matmul GFLOP/s}, a list of
     Result, {threads: read GB/s} (empty without decode shapes).
     """
@@ -156,8 +159,9 @@ def run(shapes, libraries, threads_list, dtype=np.float32, repeat=10, min_time=0
             q, k, v = shape.inputs(dtype)
             ref = reference_for(shape, q, k, v)
 
-            def prepare(name, threads, q=q, k=k, v=v, causal=shape.causal):
-                return LIBRARIES[name].prepare(q, k, v, causal, threads)
+            def prepare(name, threads, q=q, k=k, v=v, causal=shape.causal,
+                        mods=shape.modifier_args()):
+                return LIBRARIES[name].prepare(q, k, v, causal, threads, **mods)
         for threads in threads_list:
             base = None
             for lib in libs:
@@ -176,11 +180,22 @@ def run(shapes, libraries, threads_list, dtype=np.float32, repeat=10, min_time=0
                 took = format_time(res.median_s) if res.median_s else res.status
                 progress.step(f"{where} {took}")
     progress.close()
+    _ratios_to_plain(shapes, results)
     return peaks, results, bandwidths
+
+
+def _ratios_to_plain(shapes, results):
+    """Each modifier row's time over its plain shape's, same library and threads."""
+    base = {s.name: s.base for s in shapes if s.modifier}
+    plain = {(r.shape, r.library, r.threads): r.median_s for r in results if r.status == "ok"}
+    for r in results:
+        t = plain.get((base.get(r.shape), r.library, r.threads))
+        if r.status == "ok" and t:
+            r.ratio_to_plain = r.median_s / t
 
 
 def _runs_on(lib, shape):
     if shape.kind == "block":  # the same block, attention by each of these
         return lib.name in block.ATTENTIONS
     kinds = getattr(lib, "kinds", None)
-    return kinds is None or shape.kind in kinds
+    return (kinds is None or shape.kind in kinds) and lib.has(shape.modifier)

@@ -1,6 +1,7 @@
 """The benchmark's problems: the Shape of one attention call, the table of
-shapes `python -m fastattn bench` and benchmarks/ time, and the groups
---shapes takes (full, decode, block). The transformer block's own shapes
+shapes `python -m fastattn bench` and benchmarks/ time, the score-modifier
+rows (a plain shape plus softcap, ALiBi or sinks) and the groups --shapes
+takes (full, decode, block, modifiers). The transformer block's own shapes
 live in fastattn.bench.block; this file only lists them with the others.
 """
 import dataclasses
@@ -24,6 +25,8 @@ class Shape:
     causal: bool = False
     about: str = ""
     kind: str = "full"  # "full": encoder or prefill (L == S); "decode": a few new rows, a long cache
+    modifier: str = ""  # "softcap", "alibi" or "sinks": the plain shape `base` with that modifier
+    base: str = ""
 
     @property
     def decode(self):
@@ -43,23 +46,71 @@ class Shape:
     def label(self):
         heads = "" if self.Hkv == self.Hq else "MQA " if self.Hkv == 1 else "GQA "
         kind = ("decode " if self.decode else "") + ("causal " if self.causal else "") + heads
-        return kind + self.dims
+        return kind + self.dims + (f" + {MODIFIER_TITLES[self.modifier]}" if self.modifier else "")
 
     @property
     def flops(self):
         """4·B·Hq·L·S·E (Q·Kᵀ and P·V, a multiply-add each); half is visible
-        when causal with L == S."""
+        when causal with L == S. A modifier's few operations per score are not
+        counted: its GFLOP/s compare with the plain shape's on the same count."""
         f = 4 * self.B * self.Hq * self.L * self.S * self.E
         return f // 2 if self.causal and self.L == self.S else f
 
     def inputs(self, dtype=np.float32):
-        """q, k, v drawn from N(0, 1), the same every run (seeded by the name)."""
-        rng = np.random.default_rng(zlib.crc32(self.name.encode()))
+        """q, k, v drawn from N(0, 1), the same every run (seeded by the name;
+        a modifier row gets its plain shape's). With softcap, q is multiplied
+        by the cap: the scaled scores are then N(0, c²), so s/c reaches tanh's
+        curved region instead of its linear middle."""
+        rng = np.random.default_rng(zlib.crc32((self.base or self.name).encode()))
         kv = (self.B, self.Hkv, self.S, self.E)
         q = rng.standard_normal((self.B, self.Hq, self.L, self.E), dtype=np.float32)
+        if self.modifier == "softcap":
+            q *= SOFTCAP
         k = rng.standard_normal(kv, dtype=np.float32)
         v = rng.standard_normal(kv, dtype=np.float32)
         return tuple(x.astype(dtype, copy=False) for x in (q, k, v))
+
+    def modifier_args(self):
+        """The modifier's keyword arguments of fastattn.attention (and of the
+        reference and the peers' adapters): {} for a plain shape."""
+        if self.modifier == "softcap":
+            return {"softcap": SOFTCAP}
+        if self.modifier == "alibi":
+            return {"alibi_slopes": bloom_slopes(self.Hq)}
+        if self.modifier == "sinks":
+            # log S + N(0, 1): a sink about as heavy as all S keys together
+            # (each weighs e^0.5 on average), so it takes a real share of
+            # every row and a dropped sink fails the check
+            rng = np.random.default_rng(zlib.crc32(self.name.encode()))
+            return {"sinks": np.log(self.S) + rng.standard_normal(self.Hq)}
+        return {}
+
+
+SOFTCAP = 50.0  # Gemma 2's attention softcap
+MODIFIER_TITLES = {"softcap": f"softcap {SOFTCAP:g}", "alibi": "ALiBi", "sinks": "sinks"}
+
+
+def bloom_slopes(H):
+    """BLOOM's ALiBi slopes 2^(−8h/H), h = 1 … H (H a power of two)."""
+    return 2.0 ** (-8 * np.arange(1, H + 1) / H)
+
+
+def with_modifier(shape, modifier):
+    """The plain ``shape`` with one score modifier: named ``<shape>_<modifier>``."""
+    return dataclasses.replace(shape, name=f"{shape.name}_{modifier}", modifier=modifier,
+                               base=shape.name, about=f"{shape.about}, {MODIFIER_TITLES[modifier]}")
+
+
+def with_plain(shapes):
+    """``shapes`` with each modifier row's plain shape put before it when
+    missing: a modifier's cost is its time over the plain call of the same run."""
+    names, picked = {s.name for s in shapes}, []
+    for s in shapes:
+        if getattr(s, "base", "") and s.base not in names and s.base in SHAPES_BY_NAME:
+            picked.append(SHAPES_BY_NAME[s.base])
+            names.add(s.base)
+        picked.append(s)
+    return picked
 
 
 SHAPES = [
@@ -81,7 +132,13 @@ SHAPES = [
 # A NumPy transformer block (fastattn.bench.block), run with fastattn's attention
 # and with NumPy's: the end-to-end effect, projections and MLP included.
 BLOCK_SHAPES = block.BLOCK_SHAPES
-SHAPES_BY_NAME = {s.name: s for s in SHAPES + BLOCK_SHAPES}
+_PLAIN = {s.name: s for s in SHAPES}
+# The score modifiers' cost (issue 11: each at most 10 % over the plain call):
+# causal prefill and GQA decode, plain then each modifier.
+MODIFIER_BASES = [_PLAIN["causal2048"], _PLAIN["dec8k_gqa"]]
+MODIFIER_SHAPES = [with_modifier(s, m) for s in MODIFIER_BASES for m in MODIFIER_TITLES]
+SHAPES_BY_NAME = {s.name: s for s in SHAPES + BLOCK_SHAPES + MODIFIER_SHAPES}
 # what --shapes takes besides a shape's name
 SHAPE_GROUPS = {kind: [s for s in SHAPES + BLOCK_SHAPES if s.kind == kind]
                 for kind in ("full", "decode", "block")}
+SHAPE_GROUPS["modifiers"] = with_plain(MODIFIER_SHAPES)
