@@ -24,16 +24,55 @@ def _shape(x):
     return tuple(int(n) for n in x.shape)
 
 
+def _is_bf16(dtype):
+    """ml_dtypes' bfloat16, recognised without importing ml_dtypes."""
+    return dtype.name == "bfloat16" and dtype.itemsize == 2
+
+
+def _float_kind(dtype):
+    """'float16', 'bfloat16', 'float32', 'float64', or None for any other dtype."""
+    if _is_bf16(dtype):
+        return "bfloat16"
+    if dtype.kind == "f" and dtype.itemsize in (2, 4, 8):
+        return f"float{8 * dtype.itemsize}"
+    return None
+
+
 def _as_input(x, name):
     """np.asarray, then the dtype and rank checks every tensor input shares."""
     a = np.asarray(x)
     if a.ndim < 2:
         raise ValueError(
             f"{name} must have at least 2 dimensions (..., rows, head_dim); got shape {_shape(a)}")
-    if a.dtype.kind != "f" or a.dtype.itemsize not in (4, 8):
-        what = "float16" if a.dtype.kind == "f" and a.dtype.itemsize == 2 else str(a.dtype)
-        raise TypeError(f"{name} must be float32 or float64; got {what}")
+    if _float_kind(a.dtype) is None:
+        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64"
+                        f"{' (or an int8 pair (values, scales))' if name in ('k', 'v') else ''}; "
+                        f"got {a.dtype}")
     return a
+
+
+def _as_kv(x, name):
+    """k or v: a float array, or an int8 pair (values, scales) with one float32
+    scale per row (scales.shape == values.shape[:-1]). Returns (array, scales or None)."""
+    if isinstance(x, tuple):
+        if len(x) != 2:
+            raise TypeError(f"{name} as a tuple must be an int8 pair (values, scales); got {len(x)} items")
+        values, scales = np.asarray(x[0]), np.asarray(x[1])
+        if values.dtype != np.int8:
+            raise TypeError(f"{name}'s values in an int8 pair must be int8; got {values.dtype}")
+        if values.ndim < 2:
+            raise ValueError(f"{name}'s values must have at least 2 dimensions (..., rows, head_dim); "
+                             f"got shape {_shape(values)}")
+        if scales.dtype.kind != "f":
+            raise TypeError(f"{name}'s scales must be floating (stored as float32); got {scales.dtype}")
+        if scales.shape != values.shape[:-1]:
+            raise ValueError(f"{name}'s scales must have shape {_shape(values)[:-1]} (one per row of "
+                             f"values {_shape(values)}); got {_shape(scales)}")
+        return values, scales.astype(np.float32, copy=False)
+    a = np.asarray(x)
+    if a.dtype == np.int8:
+        raise TypeError(f"{name} is int8: pass it with its scales, as the pair ({name}_values, {name}_scales)")
+    return _as_input(a, name), None
 
 
 def _native(dtype):
@@ -81,6 +120,20 @@ def _merge_batch(a, nbatch):
     return np.lib.stride_tricks.as_strided(
         a, (math.prod(shape),) + a.shape[nbatch:], (stride,) + a.strides[nbatch:],
         writeable=a.flags.writeable)
+
+
+def _check_dtypes(q, k, v):
+    """(out dtype, computation dtype): q's, and float64 for float64 calls,
+    float32 for every other (16-bit and int8 storage compute in float32)."""
+    kinds = {n: _float_kind(x.dtype) or "int8" for n, x in (("q", q), ("k", k), ("v", v))}
+    if kinds["k"] != kinds["v"]:
+        raise TypeError(f"k and v must have the same dtype; got k {kinds['k']}, v {kinds['v']}")
+    if "float64" in kinds.values() and set(kinds.values()) != {"float64"}:
+        raise TypeError(
+            "float64 computes in float64: q, k and v must then all be float64 (16-bit, int8 and "
+            f"float32 inputs compute in float32); got q {kinds['q']}, k {kinds['k']}, v {kinds['v']}")
+    out_dtype = np.dtype(np.float64) if kinds["q"] == "float64" else _native(q.dtype)
+    return out_dtype, np.dtype(np.float64 if kinds["q"] == "float64" else np.float32)
 
 
 def _check_mask(mask, dtype, scores_shape):
@@ -143,7 +196,7 @@ def _check_out(out, shape, dtype, inputs):
     if _shape(out) != shape:
         raise ValueError(f"out must have shape {shape}; got {_shape(out)}")
     if out.dtype != dtype:
-        raise TypeError(f"out must have dtype {dtype} (the inputs'); got {out.dtype}")
+        raise TypeError(f"out must have dtype {dtype} (q's); got {out.dtype}")
     if not out.flags.writeable:
         raise ValueError("out must be writeable; got a read-only array")
     if out.size and (not out.dtype.isnative or not out.flags.aligned or (
@@ -397,7 +450,7 @@ class _Prepared:
 
     def modifiers(self, c):
         """The binding's mods dict for kernel call c, or None when none is on."""
-        m = dict(self.mods, **{n: c[n] for n in _PER_BATCH[1:]})
+        m = dict(self.mods, **{n: c[n] for n in _PER_BATCH[1:]}, k_scale=c["k_scale"], v_scale=c["v_scale"])
         return m if any(x is not None for x in m.values()) else None
 
 
@@ -415,12 +468,9 @@ def _prepare(q, k, v, *, mask=None, causal=False, window=None, kv_lengths=None, 
              q_start=None, k_start=None):
     """Every check of ``attention``'s arguments, then the 4-D views C reads."""
     q = _as_input(q, "q")
-    k = _as_input(k, "k")
-    v = _as_input(v, "v")
-    if not _native(q.dtype) == _native(k.dtype) == _native(v.dtype):
-        raise TypeError(
-            f"q, k and v must have the same dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    dtype = _native(q.dtype)
+    k, k_scale = _as_kv(k, "k")
+    v, v_scale = _as_kv(v, "v")
+    dtype, compute = _check_dtypes(q, k, v)
     L, E = q.shape[-2:]
     S, E_k = k.shape[-2:]
     S_v, Ev = v.shape[-2:]
@@ -451,7 +501,7 @@ def _prepare(q, k, v, *, mask=None, causal=False, window=None, kv_lengths=None, 
     wl, wr = _check_window(window)
     s = _scale(scale, E)
     nt = _threads(num_threads)
-    m = None if mask is None else _check_mask(mask, dtype, lead + (L, S))
+    m = None if mask is None else _check_mask(mask, compute, lead + (L, S))
     lens = None if kv_lengths is None else _check_kv_lengths(kv_lengths, batch, S)
     cap = _check_softcap(softcap)
     slopes = None if alibi_slopes is None else _check_slopes(alibi_slopes, batch, Hq)
@@ -463,11 +513,12 @@ def _prepare(q, k, v, *, mask=None, causal=False, window=None, kv_lengths=None, 
                                           ("kv_lengths", kv_lengths)))
     else:
         out = np.empty(out_shape, dtype)
-    lse = np.empty(lead + (L,), dtype) if return_lse else None
+    lse = np.empty(lead + (L,), compute) if return_lse else None
 
     q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
     per_batch = {"lens": lens, "alibi_slopes": slopes, "q_start": q_start, "k_start": k_start}
-    calls = _calls(batch, q, k, v, out, lse, m, per_batch, Hq, L, S)
+    scales = None if k_scale is None else (_kernel_ready(k_scale[..., None]), _kernel_ready(v_scale[..., None]))
+    calls = _calls(batch, q, k, v, out, lse, m, per_batch, Hq, L, S, scales)
     return _Prepared(calls, (causal_flag, align, wl, wr), (s, nt), out, lse,
                      {"softcap": cap, "sinks": sink_logits})
 
@@ -485,7 +536,7 @@ def _causal(causal):
 _PER_BATCH = ("lens", "alibi_slopes", "q_start", "k_start")
 
 
-def _calls(batch, q, k, v, out, lse, mask, per_batch, Hq, L, S):
+def _calls(batch, q, k, v, out, lse, mask, per_batch, Hq, L, S, scales=None):
     """The kernel calls that cover the batch: one when every tensor's batch
     axes merge into one strided axis, else one per index of the outer axes.
     per_batch holds the _PER_BATCH arrays (or None), each of the batch shape
@@ -497,6 +548,9 @@ def _calls(batch, q, k, v, out, lse, mask, per_batch, Hq, L, S):
         "q": _as_4d(q, batch), "k": _as_4d(k, batch), "v": _as_4d(v, batch), "out": out4,
         "lse": None if lse4 is None else lse4[..., None],
         "mask": None if mask is None else np.broadcast_to(mask, batch + (Hq, L, S)),
+        # int8 K/V: one scale per row, as (..., Hkv, S, 1) tensors
+        "k_scale": None if scales is None else _as_4d(scales[0], batch),
+        "v_scale": None if scales is None else _as_4d(scales[1], batch),
     }
     merged = {n: (a if a is None else _merge_batch(a, nb)) for n, a in full.items()}
     if all(a is not None for n, a in merged.items() if full[n] is not None):

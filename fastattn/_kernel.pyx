@@ -18,6 +18,7 @@ cnp.import_array()
 cdef extern from "fastattn.h" nogil:
     ctypedef struct fa_args:
         int dtype
+        int q_dtype, out_dtype
         int64_t B, Hq, Hkv, L, S, E, Ev
         const void *q
         const void *k
@@ -41,10 +42,14 @@ cdef extern from "fastattn.h" nogil:
         const double *alibi_slopes
         int64_t alibi_stride[2]
         const double *sinks
+        const float *k_scale
+        const float *v_scale
+        int64_t k_scale_stride[3]
+        int64_t v_scale_stride[3]
         const int64_t *q_start
         const int64_t *k_start
         int num_threads
-    int FA_F32, FA_F64, FA_MASK_NONE, FA_MASK_BOOL, FA_MASK_ADD, FA_ERR_NOMEM
+    int FA_F32, FA_F64, FA_F16, FA_BF16, FA_I8, FA_MASK_NONE, FA_MASK_BOOL, FA_MASK_ADD, FA_ERR_NOMEM
     void fa_args_init(fa_args *args)
     int fa_attention(const fa_args *args)
     int fa_check(const fa_args *args)
@@ -85,7 +90,7 @@ cdef int _fill(fa_args *a, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndar
                object lse, object mask, int causal, int align, int64_t wl, int64_t wr,
                object kv_len, double scale, int num_threads, object mods) except -1:
     fa_args_init(a)
-    a.dtype = FA_F32 if q.dtype.itemsize == 4 else FA_F64
+    a.dtype, a.q_dtype, a.out_dtype = _code(k), _code(q), _code(out)
     a.B, a.Hq, a.L, a.E = q.shape[0], q.shape[1], q.shape[2], q.shape[3]
     a.Hkv, a.S, a.Ev = k.shape[1], k.shape[2], v.shape[3]
     a.q, a.k, a.v = cnp.PyArray_DATA(q), cnp.PyArray_DATA(k), cnp.PyArray_DATA(v)
@@ -111,6 +116,22 @@ cdef int _fill(fa_args *a, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndar
     return 0
 
 
+cdef int _code(cnp.ndarray x) except -1:
+    # the fa_dtype of an array the API has checked
+    cdef int t = cnp.PyArray_TYPE(x)
+    if t == cnp.NPY_FLOAT32:
+        return FA_F32
+    if t == cnp.NPY_FLOAT64:
+        return FA_F64
+    if t == cnp.NPY_FLOAT16:
+        return FA_F16
+    if t == cnp.NPY_INT8:
+        return FA_I8
+    if x.dtype.name == "bfloat16":
+        return FA_BF16
+    raise TypeError(f"no fastattn dtype for {x.dtype}")
+
+
 cdef int _fill_modifiers(fa_args *a, dict mods) except -1:
     # mods: softcap (float, 0 off), alibi_slopes float64 (B, Hq), sinks float64
     # (Hq,) contiguous, q_start / k_start int64 (B,) contiguous; absent or None: off
@@ -124,6 +145,14 @@ cdef int _fill_modifiers(fa_args *a, dict mods) except -1:
     x = mods.get("sinks")
     if x is not None:
         a.sinks = <const double *>cnp.PyArray_DATA(x)
+    x = mods.get("k_scale")
+    if x is not None:
+        a.k_scale = <const float *>cnp.PyArray_DATA(x)
+        _strides(x, a.k_scale_stride, 3)
+    x = mods.get("v_scale")
+    if x is not None:
+        a.v_scale = <const float *>cnp.PyArray_DATA(x)
+        _strides(x, a.v_scale_stride, 3)
     x = mods.get("q_start")
     if x is not None:
         a.q_start = <const int64_t *>cnp.PyArray_DATA(x)

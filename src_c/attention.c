@@ -5,16 +5,33 @@
  */
 #include <math.h>
 #include <stdlib.h>
+#include "convert.h"
 #include "internal.h"
 #include "plan.h"
 #include "pool.h"
 
+/* Parts and lse are in the computation type (f32: float, else double). */
 static inline double load_t(const void *p, int64_t i, int f32) {
     return f32 ? (double)((const float *)p)[i] : ((const double *)p)[i];
 }
 static inline void store_t(void *p, int64_t i, double x, int f32) {
     if (f32) ((float *)p)[i] = (float)x;
     else ((double *)p)[i] = x;
+}
+
+/* An output element in out's dtype: rounded once from the computation type
+ * (float32 to 16 bits, ties to even). */
+static inline void store_out(void *p, int64_t i, double x, int out_dtype) {
+    switch (out_dtype) {
+    case FA_F64: ((double *)p)[i] = x; break;
+    case FA_F16: ((uint16_t *)p)[i] = fa_f32_to_f16((float)x); break;
+    case FA_BF16: ((uint16_t *)p)[i] = fa_f32_to_bf16((float)x); break;
+    default: ((float *)p)[i] = (float)x; break;
+    }
+}
+
+static inline size_t dtype_bytes(int dtype) {
+    return dtype == FA_F64 ? 8 : dtype == FA_F32 ? 4 : dtype == FA_I8 ? 1 : 2;
 }
 
 /* Merges the split-KV parts of row block `base` into out and lse:
@@ -24,7 +41,7 @@ static inline void store_t(void *p, int64_t i, double x, int f32) {
  * as it would unsplit. */
 static void merge_parts(const fa_work *w, int64_t base, char *parts) {
     const fa_args *a = w->plan.a;
-    const int f32 = a->dtype == FA_F32;
+    const int f32 = a->dtype != FA_F64, out_dtype = w->plan.out_dtype;
     const int64_t Ev = a->Ev, nc = w->n_chunks;
     const fa_item it = fa_item_at(w, base * nc, parts);
     for (int64_t r = 0; r < it.rows; r++) {
@@ -38,7 +55,7 @@ static void merge_parts(const fa_work *w, int64_t base, char *parts) {
             if (lse_c > top || isnan(lse_c)) top = isnan(top) ? top : lse_c;
         }
         void *o = (char *)a->out + (it.b * a->out_stride[0] + h * a->out_stride[1] + i * a->out_stride[2]) *
-                                       (int64_t)w->elem_bytes;
+                                       (int64_t)dtype_bytes(out_dtype);
         double wgt[FA_CHUNKS_MAX];
         for (int64_t c = 0; c < nc; c++) {
             wgt[c] = exp(load_t(parts + (size_t)(base * nc + c) * w->part_bytes, it.rows * Ev + r, f32) - top);
@@ -49,7 +66,9 @@ static void merge_parts(const fa_work *w, int64_t base, char *parts) {
             double acc = 0;
             for (int64_t c = 0; c < nc; c++)
                 if (wgt[c] != 0) acc += wgt[c] * load_t(parts + (size_t)(base * nc + c) * w->part_bytes, r * Ev + e, f32);
-            store_t(o, e, top == -INFINITY ? 0 : acc / sum, f32);
+            /* rounded to the computation type first, as an unsplit call's output is */
+            const double o_e = top == -INFINITY ? 0 : acc / sum;
+            store_out(o, e, f32 ? (double)(float)o_e : o_e, out_dtype);
         }
         if (!a->lse) continue;
         store_t(a->lse, it.b * a->lse_stride[0] + h * a->lse_stride[1] + i * a->lse_stride[2],

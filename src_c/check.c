@@ -6,6 +6,13 @@
 #include <string.h>
 #include "internal.h"
 
+/* Whether q or out may have dtype io (0: dtype's own) with K/V of dtype kv. */
+static int fa_io_dtype_ok(int kv, int io) {
+    if (io == 0) return 1;
+    if (kv == FA_F64) return io == FA_F64;
+    return io == FA_F32 || io == FA_F16 || io == FA_BF16;
+}
+
 void fa_args_init(fa_args *a) {
     memset(a, 0, sizeof *a);
     a->dtype = FA_F32;
@@ -18,7 +25,7 @@ void fa_args_init(fa_args *a) {
 static const char *const fa_messages[FA_ERR_COUNT] = {
     [FA_OK] = "success",
     [FA_ERR_NULL_ARGS] = "fa_attention: args is NULL",
-    [FA_ERR_DTYPE] = "fa_attention: dtype must be FA_F32 or FA_F64",
+    [FA_ERR_DTYPE] = "fa_attention: dtype must be FA_F32, FA_F64, FA_F16, FA_BF16 or FA_I8",
     [FA_ERR_SIZE] = "fa_attention: sizes must be non-negative, and E, Ev and Hkv at least 1",
     [FA_ERR_HEADS] = "fa_attention: Hq must be a multiple of Hkv",
     [FA_ERR_NULL_POINTER] = "fa_attention: q, k, v, out (and mask, kv_len when used) must not be NULL",
@@ -36,6 +43,9 @@ static const char *const fa_messages[FA_ERR_COUNT] = {
     [FA_ERR_ALIBI] = "fa_attention: every ALiBi slope must be finite",
     [FA_ERR_SINKS] = "fa_attention: sinks must not be NaN or +inf (-inf: no sink)",
     [FA_ERR_POSITION] = "fa_attention: q_start and k_start entries must lie within +-2^60",
+    [FA_ERR_DTYPES] = "fa_attention: q_dtype and out_dtype must be 0, FA_F32, FA_F16 or FA_BF16 "
+                      "(FA_F64 only, and only, with dtype FA_F64)",
+    [FA_ERR_SCALES] = "fa_attention: FA_I8 needs k_scale and v_scale; other dtypes take none",
 };
 
 const char *fa_strerror(int code) {
@@ -82,7 +92,10 @@ static int no_self_overlap(const int64_t n[4], const int64_t st_signed[4]) {
 
 int fa_check(const fa_args *a) {
     if (!a) return FA_ERR_NULL_ARGS;
-    if (a->dtype != FA_F32 && a->dtype != FA_F64) return FA_ERR_DTYPE;
+    if (a->dtype < FA_F32 || a->dtype > FA_I8) return FA_ERR_DTYPE;
+    if (!fa_io_dtype_ok(a->dtype, a->q_dtype) || !fa_io_dtype_ok(a->dtype, a->out_dtype)) return FA_ERR_DTYPES;
+    if ((a->dtype == FA_I8) != (a->k_scale != NULL) || (a->dtype == FA_I8) != (a->v_scale != NULL))
+        return FA_ERR_SCALES;
     if (a->B < 0 || a->Hq < 0 || a->Hkv < 0 || a->L < 0 || a->S < 0 || a->E < 0 || a->Ev < 0)
         return FA_ERR_SIZE;
     const int empty = a->B == 0 || a->Hq == 0 || a->L == 0;
@@ -124,10 +137,15 @@ int fa_check(const fa_args *a) {
 #define ST4(s) {s[0], s[1], s[2], 1}
     const int64_t s_q[4] = ST4(a->q_stride), s_k[4] = ST4(a->k_stride), s_v[4] = ST4(a->v_stride);
     const int64_t s_o[4] = ST4(a->out_stride), s_l[4] = ST4(a->lse_stride);
-#undef ST4
     if (span(n_q, s_q) < 0 || span(n_k, s_k) < 0 || span(n_v, s_v) < 0 || span(n_o, s_o) < 0)
         return FA_ERR_STRIDE;
     if (a->mask_kind != FA_MASK_NONE && span(n_m, a->mask_stride) < 0) return FA_ERR_STRIDE;
+    if (a->dtype == FA_I8) {
+        const int64_t n_s[4] = {a->B, a->Hkv, a->S, 1};
+        const int64_t s_ks[4] = ST4(a->k_scale_stride), s_vs[4] = ST4(a->v_scale_stride);
+        if (span(n_s, s_ks) < 0 || span(n_s, s_vs) < 0) return FA_ERR_STRIDE;
+    }
+#undef ST4
     if (!no_self_overlap(n_o, s_o)) return FA_ERR_STRIDE;
     if (a->lse && (span(n_l, s_l) < 0 || !no_self_overlap(n_l, s_l))) return FA_ERR_STRIDE;
     return FA_OK;

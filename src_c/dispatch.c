@@ -26,10 +26,12 @@ static int cpu_runs(const fa_isa_table *k) {
 #if defined(FA_HAVE_AVX512)
     if (k == &fa_isa_avx512)
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+               __builtin_cpu_supports("f16c");
 #endif
 #if defined(FA_HAVE_AVX2)
-    if (k == &fa_isa_avx2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (k == &fa_isa_avx2)  /* F16C converts float16 K and V; every AVX2 CPU has it */
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 #endif
 #endif
     (void)k;

@@ -22,8 +22,14 @@
 extern "C" {
 #endif
 
-/* Element type of q, k, v, out, lse and an additive mask. */
-enum fa_dtype { FA_F32 = 1, FA_F64 = 2 };
+/* Element types. dtype is K's and V's storage; q and out may be 16 or 32 bits
+ * when K and V are not float64 (q_dtype, out_dtype; 0: dtype's own, float32
+ * for FA_I8). Scores, softmax and accumulation are float64 for FA_F64 and
+ * float32 for every other: that computation type is also lse's and an
+ * additive mask's. FA_F16 is IEEE binary16, FA_BF16 bfloat16 (the top half of
+ * a float32), FA_I8 symmetric int8 with one float32 scale per key/value row
+ * (k_scale, v_scale): the key is k[j]·k_scale[j]. */
+enum fa_dtype { FA_F32 = 1, FA_F64 = 2, FA_F16 = 3, FA_BF16 = 4, FA_I8 = 5 };
 
 /* mask: none; bool (uint8, nonzero = may attend); additive (dtype's type, added
  * to the scaled scores, -inf allowed). */
@@ -57,6 +63,8 @@ enum fa_error {
     FA_ERR_ALIBI,         /* an ALiBi slope is NaN or infinite */
     FA_ERR_SINKS,         /* a sink is NaN or +inf */
     FA_ERR_POSITION,      /* a q_start or k_start entry is beyond ±2^60 */
+    FA_ERR_DTYPES,        /* q_dtype or out_dtype does not go with dtype */
+    FA_ERR_SCALES,        /* FA_I8 without k_scale and v_scale, or scales given for another dtype */
     FA_ERR_COUNT
 };
 
@@ -65,7 +73,8 @@ enum fa_error {
  * broadcasts. Query head h reads key/value head h / (Hq / Hkv) (grouped-query
  * attention; Hkv == Hq is plain multi-head, Hkv == 1 multi-query). */
 typedef struct fa_args {
-    int dtype;                          /* enum fa_dtype */
+    int dtype;                          /* enum fa_dtype: K's and V's */
+    int q_dtype, out_dtype;             /* 0: dtype's (see enum fa_dtype) */
     int64_t B, Hq, Hkv, L, S, E, Ev;    /* batch, heads, lengths, head dims */
     const void *q;                      /* (B, Hq,  L, E)  */
     const void *k;                      /* (B, Hkv, S, E)  */
@@ -93,6 +102,8 @@ typedef struct fa_args {
     const double *sinks;                /* (Hq): a logit per query head that joins the softmax
                                            denominator and adds no value (−inf: none); or NULL.
                                            lse then includes it. */
+    const float *k_scale, *v_scale;     /* FA_I8: (B, Hkv, S) one scale per key / value row */
+    int64_t k_scale_stride[3], v_scale_stride[3];   /* batch, head, row */
     const int64_t *q_start, *k_start;   /* (B): global positions of query row 0 and key 0, or NULL
                                            (0). Either given: d(i) = q_start[b] + i − k_start[b],
                                            overriding align, so a shard of a cache gets exactly

@@ -20,7 +20,12 @@
 #define FA_ALIGN 64
 
 /* One past the largest enum fa_dtype: the kernel table's length. */
-#define FA_DTYPE_END 3
+#define FA_DTYPE_END 6
+
+/* The dtype q or out has when the caller left it 0. */
+static inline int fa_io_dtype(int kv, int io) {
+    return io ? io : kv == FA_I8 ? FA_F32 : kv;
+}
 
 /* Rows a row-layout item holds at most (its per-row arrays live on the stack). */
 #define FA_ROWS_MAX 8
@@ -33,6 +38,7 @@ typedef struct fa_plan {
     const fa_args *a;
     int64_t group;        /* Hq / Hkv: query heads per key/value head */
     double scale;         /* the caller's: Q is packed as Q·scale */
+    int q_dtype, out_dtype; /* resolved (never 0) */
     int64_t wl, wr;       /* window, -1 replaced by a bound past every key */
 } fa_plan;
 
@@ -49,7 +55,8 @@ typedef struct fa_item {
 typedef void (*fa_item_fn)(const fa_plan *p, const fa_item *it, void *scratch);
 
 /* One (ISA, dtype) entry of the kernel table: the same sources
- * (kernel_dtype.h) compiled for one ISA and one element type. */
+ * (kernel_dtype.h) compiled for one ISA and one K/V storage type; each
+ * converts q, K and V to its computation type as it loads them. */
 typedef struct fa_kernel {
     int64_t lane_rows;        /* query rows a lane-layout item holds (its vector lanes) */
     int64_t rows_auto;        /* the driver picks the row layout for at most this many rows */

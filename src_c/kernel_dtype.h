@@ -13,6 +13,154 @@ static inline size_t FN(round_up)(size_t n) {
     return (n + FA_ALIGN - 1) / FA_ALIGN * FA_ALIGN;
 }
 
+/* ---- K and V storage (KV), loaded as T ----
+ * FA_KV_F16 / FA_KV_BF16: 16-bit codes; FA_KV_I8: int8 times a per-row
+ * scale (applied by the callers); else KV is T. FA_CONVERTS: KV is not T. */
+#if defined(FA_KV_F16) || defined(FA_KV_BF16)
+typedef uint16_t FN(kv_t);
+#define FA_CONVERTS 1
+#elif defined(FA_KV_I8)
+typedef int8_t FN(kv_t);
+#define FA_CONVERTS 1
+#else
+typedef T FN(kv_t);
+#define FA_CONVERTS 0
+#endif
+#define KV FN(kv_t)
+
+/* One element. */
+static inline T FN(kv_at)(const KV *p) {
+#if defined(FA_KV_F16)
+    return fa_f16_to_f32(*p);
+#elif defined(FA_KV_BF16)
+    return fa_bf16_to_f32(*p);
+#else
+    return (T)*p;
+#endif
+}
+
+#if FA_CONVERTS
+/* W lanes of storage, widened: 16-bit codes to 32-bit lanes, int8 to T. */
+typedef KV FN(kv_vec) __attribute__((vector_size(FA_WPP * sizeof(KV))));
+#endif
+
+/* W elements (whole vector). F16C / AVX-512 / NEON convert in one
+ * instruction; elsewhere the bit-exact formulas of convert.h, lane-wise. */
+static inline VT FN(kv_load)(const KV *p) {
+#if !FA_CONVERTS
+    return FN(v_loadu)(p);
+#elif defined(FA_KV_F16) && FA_VBYTES == 64 && defined(__AVX512F__)
+    return (VT)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(FA_KV_F16) && FA_VBYTES == 32 && defined(__F16C__)
+    return (VT)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#elif defined(FA_KV_F16) && FA_VBYTES == 16 && defined(__aarch64__)
+    float16x4_t h;
+    memcpy(&h, p, sizeof h);
+    return (VT)vcvt_f32_f16(h);
+/* int8: sign-extend to 32 bits, then convert (GCC 12 scalarises a direct
+ * __builtin_convertvector from int8 lanes, so each ISA spells it out). */
+#elif defined(FA_KV_I8) && FA_VBYTES == 64 && defined(__AVX512F__)
+    return (VT)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif defined(FA_KV_I8) && FA_VBYTES == 32 && defined(__AVX2__)
+    return (VT)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#elif defined(FA_KV_I8) && FA_VBYTES == 16 && defined(__SSE2__)
+    int32_t four;
+    memcpy(&four, p, 4);
+    __m128i x = _mm_cvtsi32_si128(four);
+    x = _mm_unpacklo_epi8(x, x);                      /* each byte twice */
+    x = _mm_srai_epi32(_mm_unpacklo_epi16(x, x), 24); /* four times, then sign-extended */
+    return (VT)_mm_cvtepi32_ps(x);
+#elif defined(FA_KV_I8) && FA_VBYTES == 16 && defined(__aarch64__)
+    int8x8_t b = vdup_n_s8(0);
+    memcpy(&b, p, 4);  /* the low four lanes hold the elements */
+    return (VT)vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(b))));
+#else
+    FN(kv_vec) x;
+    memcpy(&x, p, sizeof x);
+#if defined(FA_KV_I8)
+    return __builtin_convertvector(x, VT);
+#else
+    const VU h = __builtin_convertvector(x, VU);
+#if defined(FA_KV_BF16)
+    return (VT)(h << 16);
+#else
+    /* binary16 → float as in convert.h: magnitude bits times 2^112, or the
+     * all-ones exponent for inf and NaN */
+    const VU sign = (h & 0x8000u) << 16, mag = (h & 0x7fffu) << 13;
+    const VU scaled = (VU)((VT)mag * 0x1p112f);
+    const VU special = (VU)((h & 0x7c00u) == 0x7c00u);
+    return (VT)(sign | (special & (mag | 0x7f800000u)) | (~special & scaled));
+#endif
+#endif
+#endif
+}
+
+/* The first n < W elements, the rest 0 (never reads past p[n-1]). */
+static inline VT FN(kv_load_part)(const KV *p, int n) {
+    VT v = {0};
+    for (int u = 0; u < n; u++) v[u] = FN(kv_at)(p + u);
+    return v;
+}
+
+#if FA_CONVERTS
+/* dst rows (stride d_rs) := n rows of cols elements from src (stride s_rs),
+ * converted; int8 rows times their scale (scale[j·sc_rs]). The lane layout
+ * converts each key block into L1 this way, then runs the float tiles on it. */
+static void FN(kv_rows)(T *dst, int64_t d_rs, const KV *src, int64_t s_rs, int64_t n, int64_t cols,
+                        const float *scale, int64_t sc_rs) {
+    const int64_t full = cols / W * W;
+    for (int64_t j = 0; j < n; j++) {
+        const KV *s = src + j * s_rs;
+        T *d = dst + j * d_rs;
+#if defined(FA_KV_I8)
+        const VT sc = FN(v_splat)(scale[j * sc_rs]);
+#else
+        const VT sc = FN(v_splat)(1);
+        (void)scale;
+        (void)sc_rs;
+#endif
+        for (int64_t e = 0; e < full; e += W) {
+            const VT x = FN(kv_load)(s + e) * sc;
+            memcpy(d + e, &x, sizeof x);
+        }
+        for (int64_t e = full; e < cols; e++) d[e] = FN(kv_at)(s + e) * sc[0];
+    }
+}
+#endif
+
+/* ---- q and out in their own dtypes (fa_plan's q_dtype, out_dtype) ---- */
+
+/* q[off + u], u < n ≤ W, as T; lanes past n 0. */
+static inline VT FN(q_load)(const fa_plan *p, int64_t off, int n) {
+    if (p->q_dtype == FA_F16 || p->q_dtype == FA_BF16) {
+        const uint16_t *q = (const uint16_t *)p->a->q + off;
+        VT v = {0};
+        for (int u = 0; u < n; u++) v[u] = p->q_dtype == FA_F16 ? fa_f16_to_f32(q[u]) : fa_bf16_to_f32(q[u]);
+        return v;
+    }
+    const T *q = (const T *)p->a->q + off;
+    if (n == W) return FN(v_loadu)(q);
+    VT v = {0};
+    for (int u = 0; u < n; u++) v[u] = q[u];
+    return v;
+}
+
+/* n values to the item's output at element offset off: its split-KV part
+ * (T), or the caller's out in out_dtype, rounded once (ties to even). */
+static inline void FN(out_put)(const fa_plan *p, const fa_item *it, int64_t off, const T *vals, int64_t n) {
+    if (it->partial) {
+        memcpy((T *)it->partial + off, vals, (size_t)n * sizeof(T));
+    } else if (p->out_dtype == FA_F16) {
+        uint16_t *o = (uint16_t *)p->a->out + off;
+        for (int64_t e = 0; e < n; e++) o[e] = fa_f32_to_f16((float)vals[e]);
+    } else if (p->out_dtype == FA_BF16) {
+        uint16_t *o = (uint16_t *)p->a->out + off;
+        for (int64_t e = 0; e < n; e++) o[e] = fa_f32_to_bf16((float)vals[e]);
+    } else {
+        memcpy((T *)p->a->out + off, vals, (size_t)n * sizeof(T));
+    }
+}
+
 /* Structural visibility on a boundary block: key j0+j is visible to row r iff
  * lo[r] ≤ j0+j ≤ hi[r]. Score (r, j) of the block is st[r·rs + j·js]. */
 static void FN(mask_ranges)(T *st, int64_t rs, int64_t js, int64_t j0, int64_t nb, int64_t rows,
@@ -103,10 +251,7 @@ static inline void FN(finish_row)(T m, T l, T sink, T *inv, T *lse /* NULL: not 
     if (lse) *lse = t + FA_LOG(denom);
 }
 
-/* Where an item writes: the caller's out and lse, or its split-KV part. */
-static inline T *FN(item_out)(const fa_item *it, const fa_args *a) {
-    return it->partial ? (T *)it->partial : (T *)a->out;
-}
+/* Where an item writes its lse: the caller's, or its split-KV part's. */
 static inline T *FN(item_lse)(const fa_item *it, const fa_args *a) {
     return it->partial ? (T *)it->partial : (T *)a->lse;
 }
@@ -167,3 +312,5 @@ static const fa_kernel FN(kernel) = {
 #undef FA_LOG
 #undef FA_EXP
 #undef FA_WPP
+#undef KV
+#undef FA_CONVERTS

@@ -16,11 +16,13 @@
 #define BQ (FA_NV * W)
 #define TILE FN(tile)
 
-/* Scratch of one thread: qt (E × BQ), st (FA_BK × BQ), ot (Ev × BQ), m, l, alpha. */
+/* Scratch of one thread: qt (E × BQ), st (FA_BK × BQ), ot (Ev × BQ), m, l,
+ * alpha; converting storage adds a block of K (FA_BK × E) and V (FA_BK × Ev). */
 static size_t FN(lanes_scratch_bytes)(int64_t E, int64_t Ev) {
     size_t lane_row = (size_t)BQ * sizeof(T);
+    size_t kv = FA_CONVERTS ? FN(round_up)((size_t)FA_BK * E * sizeof(T)) + FN(round_up)((size_t)FA_BK * Ev * sizeof(T)) : 0;
     return FN(round_up)((size_t)E * lane_row) + FN(round_up)((size_t)FA_BK * lane_row) +
-           FN(round_up)((size_t)Ev * lane_row) + 3 * FN(round_up)(lane_row);
+           FN(round_up)((size_t)Ev * lane_row) + 3 * FN(round_up)(lane_row) + kv;
 }
 
 /* The register tile, the only place the FLOPs happen:
@@ -193,9 +195,11 @@ static void FN(softmax_block)(int nvc, VT *st, int64_t nb, VT *m, VT *l, VT *alp
 }
 
 
-/* One thread's lane-layout scratch, carved from the buffer the driver gives. */
+/* One thread's lane-layout scratch, carved from the buffer the driver gives;
+ * kt, vt: a key block of K and V converted to T (16-bit and int8 storage). */
 typedef struct FN(lanes_bufs) {
     VT *qt, *st, *ot, *m, *l, *alpha;
+    T *kt, *vt;
 } FN(lanes_bufs);
 
 static FN(lanes_bufs) FN(lanes_carve)(void *scratch, int64_t E, int64_t Ev) {
@@ -207,7 +211,9 @@ static FN(lanes_bufs) FN(lanes_carve)(void *scratch, int64_t E, int64_t Ev) {
     s.ot = (VT *)p;     p += FN(round_up)((size_t)Ev * lane_row);
     s.m = (VT *)p;      p += FN(round_up)(lane_row);
     s.l = (VT *)p;      p += FN(round_up)(lane_row);
-    s.alpha = (VT *)p;
+    s.alpha = (VT *)p;  p += FN(round_up)(lane_row);
+    s.kt = (T *)p;      p += FA_CONVERTS ? FN(round_up)((size_t)FA_BK * E * sizeof(T)) : 0;
+    s.vt = (T *)p;
     return s;
 }
 
@@ -216,14 +222,13 @@ static FN(lanes_bufs) FN(lanes_carve)(void *scratch, int64_t E, int64_t Ev) {
  * registers, the last E % W columns copied one by one. */
 static void FN(lanes_pack_q)(const fa_plan *p, const int64_t *q_row, int64_t rows, int nvc, VT *qt) {
     const int64_t E = p->a->E, e_full = E / W * W;
-    const T *q = (const T *)p->a->q;
     const T c = (T)p->scale;
     T *qt_s = (T *)qt;
     for (int u = 0; u < nvc; u++) {
         const int64_t r0 = (int64_t)u * W, nr = rows - r0 < W ? rows - r0 : W;
         for (int64_t e0 = 0; e0 < e_full; e0 += W) {
             VT x[W];
-            for (int i = 0; i < W; i++) x[i] = i < nr ? FN(v_loadu)(q + q_row[r0 + i] + e0) * c : (VT){0};
+            for (int i = 0; i < W; i++) x[i] = i < nr ? FN(q_load)(p, q_row[r0 + i] + e0, W) * c : (VT){0};
             FN(v_transpose)(x);
             for (int i = 0; i < W; i++) qt[(e0 + i) * FA_NV + u] = x[i];
         }
@@ -231,7 +236,7 @@ static void FN(lanes_pack_q)(const fa_plan *p, const int64_t *q_row, int64_t row
     for (int64_t e = e_full; e < E; e++) {
         T *dst = qt_s + e * BQ;
         if (rows < nvc * W) qt[e * FA_NV + nvc - 1] = (VT){0};
-        for (int64_t r = 0; r < rows; r++) dst[r] = q[q_row[r] + e] * c;
+        for (int64_t r = 0; r < rows; r++) dst[r] = FN(q_load)(p, q_row[r] + e, 1)[0] * c;
     }
 }
 
@@ -263,10 +268,23 @@ static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, const fa_rows 
                              int nvc, FN(lanes_bufs) s) {
     const fa_args *a = p->a;
     const int64_t E = a->E, Ev = a->Ev, rows = it->rows;
-    const T *k = (const T *)a->k + it->b * a->k_stride[0] + it->hk * a->k_stride[1];
-    const T *v = (const T *)a->v + it->b * a->v_stride[0] + it->hk * a->v_stride[1];
-    const int64_t k_rs = a->k_stride[2], v_rs = a->v_stride[2];
+    const KV *k = (const KV *)a->k + it->b * a->k_stride[0] + it->hk * a->k_stride[1];
+    const KV *v = (const KV *)a->v + it->b * a->v_stride[0] + it->hk * a->v_stride[1];
     const int modify = a->softcap > 0 || a->alibi_slopes;
+#if FA_CONVERTS
+    /* Each key block is converted into kt, vt (in L1), then read as T. */
+    const int64_t k_rs = E, v_rs = Ev;
+#if defined(FA_KV_I8)
+    const int64_t ks_rs = a->k_scale_stride[2], vs_rs = a->v_scale_stride[2];
+    const float *ks = a->k_scale + it->b * a->k_scale_stride[0] + it->hk * a->k_scale_stride[1];
+    const float *vs = a->v_scale + it->b * a->v_scale_stride[0] + it->hk * a->v_scale_stride[1];
+#define FA_ROW_SCALE(sc, j) ((sc) + (j) * sc##_rs), sc##_rs
+#else
+#define FA_ROW_SCALE(sc, j) NULL, 0
+#endif
+#else
+    const int64_t k_rs = a->k_stride[2], v_rs = a->v_stride[2];
+#endif
     for (int u = 0; u < FA_NV; u++) {
         s.m[u] = FN(v_splat)(-(T)INFINITY);
         s.l[u] = (VT){0};
@@ -276,12 +294,20 @@ static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, const fa_rows 
             for (int u = 0; u < nvc; u++) s.ot[e * FA_NV + u] = (VT){0};
     for (int64_t j0 = f->j_begin; j0 < f->j_end; j0 += FA_BK) {
         const int64_t nb = f->j_end - j0 < FA_BK ? f->j_end - j0 : FA_BK;
-        FN(scores_tile)(nvc, s.st, k + j0 * k_rs, k_rs, s.qt, E, nb, v + j0 * v_rs, v_rs, Ev);
+#if FA_CONVERTS
+        FN(kv_rows)(s.kt, E, k + j0 * a->k_stride[2], a->k_stride[2], nb, E, FA_ROW_SCALE(ks, j0));
+        FN(kv_rows)(s.vt, Ev, v + j0 * a->v_stride[2], a->v_stride[2], nb, Ev, FA_ROW_SCALE(vs, j0));
+        const T *k_blk = s.kt, *v_blk = s.vt;
+#else
+        const T *k_blk = k + j0 * k_rs, *v_blk = v + j0 * v_rs;
+#endif
+        FN(scores_tile)(nvc, s.st, k_blk, k_rs, s.qt, E, nb, v_blk, v_rs, Ev);
         if (modify) FN(lanes_modify)(a, s.st, nvc, j0, nb, neg_slope, diag);
         FN(mask_block)((T *)s.st, 1, BQ, a, f, lo, hi, m_row, rows, j0, nb);
         FN(softmax_block)(nvc, s.st, nb, s.m, s.l, s.alpha);
-        FN(values_tile)(nvc, s.ot, v + j0 * v_rs, v_rs, s.st, Ev, nb, j0 == f->j_begin ? 0 : s.alpha);
+        FN(values_tile)(nvc, s.ot, v_blk, v_rs, s.st, Ev, nb, j0 == f->j_begin ? 0 : s.alpha);
     }
+#undef FA_ROW_SCALE
 }
 
 /* The store: out = Oᵀ · (1/l) lane-wise, transposed back into the caller's
@@ -291,7 +317,7 @@ static void FN(lanes_store)(const fa_plan *p, const fa_item *it, const T *sink, 
     const fa_args *a = p->a;
     const int64_t Ev = a->Ev, rows = it->rows, ev_full = Ev / W * W;
     const T *m_s = (const T *)s.m, *l_s = (const T *)s.l, *ot_s = (const T *)s.ot;
-    T *out = FN(item_out)(it, a), *lse = FN(item_lse)(it, a);
+    T *lse = FN(item_lse)(it, a);
     T *inv = (T *)s.alpha, lse_r[BQ];
     if (sink) /* finish_row lane by lane */
         for (int64_t r = 0; r < (int64_t)nvc * W; r++)
@@ -311,11 +337,11 @@ static void FN(lanes_store)(const fa_plan *p, const fa_item *it, const T *sink, 
             VT x[W];
             for (int i = 0; i < W; i++) x[i] = s.ot[(e0 + i) * FA_NV + u];
             FN(v_transpose)(x);
-            for (int64_t i = 0; i < nr; i++) memcpy(out + o_off[r0 + i] + e0, &x[i], sizeof(VT));
+            for (int64_t i = 0; i < nr; i++) FN(out_put)(p, it, o_off[r0 + i] + e0, (const T *)&x[i], W);
         }
     }
     for (int64_t r = 0; r < rows; r++) {
-        for (int64_t e = ev_full; e < Ev; e++) out[o_off[r] + e] = ot_s[e * BQ + r];
+        for (int64_t e = ev_full; e < Ev; e++) FN(out_put)(p, it, o_off[r] + e, &ot_s[e * BQ + r], 1);
         if (lse) lse[lse_off[r]] = lse_r[r];
     }
 }

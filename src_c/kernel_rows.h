@@ -44,23 +44,23 @@ static size_t FN(rows_scratch_bytes)(int64_t E, int64_t Ev) {
 _Static_assert(FA_BK % W == 0, "rows of st hold whole vectors of scores");
 
 static inline __attribute__((always_inline)) void FN(dot_scores_n)(
-    const int R, T *st, const VT *qs, int64_t nE, const T *k, int64_t k_rs, int64_t E, int64_t nb) {
+    const int R, T *st, const VT *qs, int64_t nE, const KV *k, int64_t k_rs, int64_t E, int64_t nb) {
     const int64_t full = E / W, tail = E % W;
     for (int64_t j0 = 0; j0 < nb; j0 += W) {
         const int64_t nk = nb - j0 < W ? nb - j0 : W;
         VT part[FA_FEW][W];
         for (int64_t jj = 0; jj < nk; jj++) {
-            const T *kj = k + (j0 + jj) * k_rs;
+            const KV *kj = k + (j0 + jj) * k_rs;
             /* The next block's row: decoding streams K and V from memory once. */
-            for (int64_t e = 0; e < E; e += 64 / (int64_t)sizeof(T)) __builtin_prefetch(kj + FA_BK * k_rs + e);
+            for (int64_t e = 0; e < E; e += 64 / (int64_t)sizeof(KV)) __builtin_prefetch(kj + FA_BK * k_rs + e);
             VT acc[FA_FEW];
             for (int r = 0; r < R; r++) acc[r] = (VT){0};
             for (int64_t u = 0; u < full; u++) {
-                const VT kv = FN(v_loadu)(kj + u * W);
+                const VT kv = FN(kv_load)(kj + u * W);
                 for (int r = 0; r < R; r++) acc[r] += qs[r * nE + u] * kv;
             }
             if (tail) {
-                const VT kv = FN(v_load_part)(kj + full * W, (int)tail);
+                const VT kv = FN(kv_load_part)(kj + full * W, (int)tail);
                 for (int r = 0; r < R; r++) acc[r] += qs[r * nE + full] * kv;
             }
             if (R == 1) st[j0 + jj] = FN(v_hsum)(acc[0]);
@@ -79,7 +79,7 @@ static inline __attribute__((always_inline)) void FN(dot_scores_n)(
  * time so the R accumulators stay in registers; first: o[r] = Σ. The sum
  * starts from 0 and meets o once (a blocked sum: see TILE in kernel_item.h). */
 static inline __attribute__((always_inline)) void FN(dot_values_n)(
-    const int R, VT *os, int64_t nEv, const T *st, const T *v, int64_t v_rs, int64_t Ev, int64_t nb,
+    const int R, VT *os, int64_t nEv, const T *st, const KV *v, int64_t v_rs, int64_t Ev, int64_t nb,
     const T *alpha, int first) {
     const int64_t full = Ev / W, tail = Ev % W;
     /* G vectors of the head dim at a time, G·R accumulators in registers.
@@ -92,14 +92,14 @@ static inline __attribute__((always_inline)) void FN(dot_values_n)(
         VT acc[FA_FEW][8];
         for (int r = 0; r < R; r++)
             for (int i = 0; i < G; i++) acc[r][i] = (VT){0};
-        const int64_t line = 64 / (int64_t)sizeof(T), e0 = (u0 * W + line - 1) / line * line;
+        const int64_t line = 64 / (int64_t)sizeof(KV), e0 = (u0 * W + line - 1) / line * line;
         for (int64_t j = 0; j < nb; j++) {
-            const T *vj = v + j * v_rs + u0 * W;
+            const KV *vj = v + j * v_rs + u0 * W;
             /* the next block's row, each cache line that starts in these G vectors once */
             for (int64_t e = e0; e < (u0 + g) * W; e += line) __builtin_prefetch(v + (j + FA_BK) * v_rs + e);
             for (int i = 0; i < G; i++) {
                 if (i >= g) break;
-                const VT vv = u0 + i < full ? FN(v_loadu)(vj + i * W) : FN(v_load_part)(vj + i * W, (int)tail);
+                const VT vv = u0 + i < full ? FN(kv_load)(vj + i * W) : FN(kv_load_part)(vj + i * W, (int)tail);
                 for (int r = 0; r < R; r++) acc[r][i] += st[r * FA_BK + j] * vv;
             }
         }
@@ -168,9 +168,14 @@ static void FN(rows_item)(const fa_plan *p, const fa_item *it, void *scratch) {
     const fa_args *a = p->a;
     const int64_t E = a->E, Ev = a->Ev, rows = it->rows;
     const int64_t nE = (E + W - 1) / W, nEv = (Ev + W - 1) / W;
-    const T *k = (const T *)a->k + it->b * a->k_stride[0] + it->hk * a->k_stride[1];
-    const T *v = (const T *)a->v + it->b * a->v_stride[0] + it->hk * a->v_stride[1];
+    const KV *k = (const KV *)a->k + it->b * a->k_stride[0] + it->hk * a->k_stride[1];
+    const KV *v = (const KV *)a->v + it->b * a->v_stride[0] + it->hk * a->v_stride[1];
     const int64_t k_rs = a->k_stride[2], v_rs = a->v_stride[2];
+#if defined(FA_KV_I8)
+    const float *ks = a->k_scale + it->b * a->k_scale_stride[0] + it->hk * a->k_scale_stride[1];
+    const float *vs = a->v_scale + it->b * a->v_scale_stride[0] + it->hk * a->v_scale_stride[1];
+    const int64_t ks_rs = a->k_scale_stride[2], vs_rs = a->v_scale_stride[2];
+#endif
 
     char *sp = (char *)scratch;
     VT *qs = (VT *)sp;  sp += FN(round_up)(FA_FEW * (size_t)nE * sizeof(VT));
@@ -184,7 +189,10 @@ static void FN(rows_item)(const fa_plan *p, const fa_item *it, void *scratch) {
     const T c = (T)p->scale;
     for (int64_t r = 0; r < rows; r++) {
         T *dst = (T *)(qs + r * nE);
-        for (int64_t e = 0; e < E; e++) dst[e] = ((const T *)a->q)[q_row[r] + e] * c;
+        for (int64_t e0 = 0; e0 < E; e0 += W) {
+            const VT x = FN(q_load)(p, q_row[r] + e0, E - e0 < W ? (int)(E - e0) : W) * c;
+            memcpy(dst + e0, &x, sizeof x); /* rows hold nE·W elements: the padding lanes are 0 */
+        }
         for (int64_t e = E; e < nE * W; e++) dst[e] = 0;
     }
     T m[FA_FEW], l[FA_FEW], alpha[FA_FEW];
@@ -206,22 +214,31 @@ static void FN(rows_item)(const fa_plan *p, const fa_item *it, void *scratch) {
 #define FA_CALL(R) FN(dot_scores_n)(R, st, qs, nE, k + j0 * k_rs, k_rs, E, nb)
         FA_BY_ROWS(rows, FA_CALL)
 #undef FA_CALL
+#if defined(FA_KV_I8)
+        for (int64_t r = 0; r < rows; r++) /* s = (q · k8) · k_scale */
+            for (int64_t j = 0; j < nb; j++) st[r * FA_BK + j] *= ks[(j0 + j) * ks_rs];
+#endif
         if (modify) FN(rows_modify)(a, st, rows, j0, nb, neg_slope, diag);
         FN(mask_block)(st, FA_BK, 1, a, &f, lo, hi, m_row, rows, j0, nb);
         FN(rows_softmax)(st, rows, nb, m, l, alpha);
+#if defined(FA_KV_I8)
+        for (int64_t r = 0; r < rows; r++) /* p·(v8·v_scale) = (p·v_scale)·v8; l already has p */
+            for (int64_t j = 0; j < nb; j++) st[r * FA_BK + j] *= vs[(j0 + j) * vs_rs];
+#endif
 #define FA_CALL(R) FN(dot_values_n)(R, os, nEv, st, v + j0 * v_rs, v_rs, Ev, nb, alpha, j0 == f.j_begin)
         FA_BY_ROWS(rows, FA_CALL)
 #undef FA_CALL
     }
 
     /* The store: out = o · (1/l), and lse (the shared finishing step). */
-    T *out = FN(item_out)(it, a), *lse = FN(item_lse)(it, a);
+    T *lse = FN(item_lse)(it, a);
     for (int64_t r = 0; r < rows; r++) {
         int64_t lse_off, o_off = fa_out_offset(p, it, r, &lse_off);
         T inv, lse_r;
         FN(finish_row)(m[r], l[r], sink[r], &inv, lse ? &lse_r : NULL);
-        const T *o_r = (const T *)(os + r * nEv);
-        for (int64_t e = 0; e < Ev; e++) out[o_off + e] = o_r[e] * inv;
+        T *o_r = (T *)(os + r * nEv);
+        for (int64_t e = 0; e < Ev; e++) o_r[e] *= inv;
+        FN(out_put)(p, it, o_off, o_r, Ev);
         if (lse) lse[lse_off] = lse_r;
     }
 }

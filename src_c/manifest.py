@@ -31,9 +31,9 @@ SOURCES = ["attention.c", "check.c", "plan.c", "pool.c", "dispatch.c", "kernels_
 # one at run time, and the library still runs on a CPU without them. The
 # macros go to every file, so that all agree on which kernels exist.
 ISA_X86_64 = [
-    ("kernels_avx2.c", "FA_HAVE_AVX2", ["-mavx2", "-mfma"]),
+    ("kernels_avx2.c", "FA_HAVE_AVX2", ["-mavx2", "-mfma", "-mf16c"]),
     ("kernels_avx512.c", "FA_HAVE_AVX512",
-     ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"]),
+     ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"]),
 ]
 
 # -std=gnu99, not c99: strict ISO mode sets -ffp-contract=off, which turns

@@ -143,13 +143,15 @@ int fa_plan_work(const fa_args *a, const fa_strategy *force, fa_work *w) {
     w->plan.a = a;
     w->plan.group = a->Hq / a->Hkv;
     w->plan.scale = a->scale;
+    w->plan.q_dtype = fa_io_dtype(a->dtype, a->q_dtype);
+    w->plan.out_dtype = fa_io_dtype(a->dtype, a->out_dtype);
     /* A window side wider than every key and row is the same as unbounded
      * (with explicit positions, |d| stays under 2^61 + L); clamping keeps
      * d ± window inside int64. */
     const int64_t far = (a->q_start || a->k_start) ? (int64_t)1 << 62 : a->S + a->L;
     w->plan.wl = a->window_left > far ? far : a->window_left;
     w->plan.wr = a->window_right > far ? far : a->window_right;
-    w->elem_bytes = a->dtype == FA_F32 ? sizeof(float) : sizeof(double);
+    w->elem_bytes = a->dtype == FA_F64 ? sizeof(double) : sizeof(float); /* the computation type */
     w->scratch = kern->scratch_bytes(a->E, a->Ev);
     w->key_block = kern->key_block;
     int err = plan_rows(a, kern, w->plan.group, force, w);

@@ -21,7 +21,7 @@ typedef struct fa_work {
     int64_t n_items;       /* n_base · n_chunks */
     int reverse;           /* causal or window: later rows first */
     size_t part_bytes;     /* one split-KV part: bq · (Ev + 1) elements */
-    size_t elem_bytes;     /* of out and lse */
+    size_t elem_bytes;     /* of the computation type: split-KV parts and lse */
     int threads, serial;
     int64_t key_block;     /* the kernel's, for fa_plan_call */
 } fa_work;

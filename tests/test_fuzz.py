@@ -325,10 +325,11 @@ def _out_shape(out):
 #        exception; regex the message must match)
 DEFECTS = {
     "q_rank_1": (lambda q, k, v, kw: dict(q=np.zeros(3, q.dtype)), ValueError, r"q must have at least 2"),
-    "q_int": (lambda q, k, v, kw: dict(q=np.zeros(q.shape, np.int32)), TypeError, r"q must be float32 or float64"),
-    "k_float16": (lambda q, k, v, kw: dict(k=np.zeros(k.shape, np.float16)), TypeError, r"k must be float32"),
+    "q_int": (lambda q, k, v, kw: dict(q=np.zeros(q.shape, np.int32)), TypeError, r"q must be float16, bfloat16, float32 or float64"),
+    "k_float16": (lambda q, k, v, kw: dict(k=np.zeros(k.shape, np.float16)), TypeError,
+                  r"k and v must have the same dtype"),
     "v_other_dtype": (lambda q, k, v, kw: dict(v=np.zeros(v.shape, _other(v.dtype))), TypeError,
-                      r"q, k and v must have the same dtype"),
+                      r"k and v must have the same dtype"),
     "E_mismatch": (lambda q, k, v, kw: dict(k=np.zeros(k.shape[:-1] + (k.shape[-1] + 1,), k.dtype)),
                    ValueError, r"k's last axis must equal q's"),
     "S_mismatch": (lambda q, k, v, kw: dict(v=np.zeros(v.shape[:-2] + (v.shape[-2] + 1, v.shape[-1]), v.dtype)),

@@ -1,0 +1,167 @@
+"""16-bit and int8 storage in the kernel: float16 and bfloat16 q/k/v/out and
+int8 (values, scales) K/V, against the float64 reference on the same rounded
+or dequantized inputs, for every ISA, both item layouts (forced), split-KV,
+GQA, masks, causal both ways, windows, kv_lengths and modifiers; bitwise
+across thread counts; float32 and float64 untouched; bad dtype combinations
+refused before anything is written.
+
+Tolerance: twice the error of textbook float32 NumPy on the same rounded
+inputs, plus half an ulp of the output dtype at the largest output."""
+import zlib
+
+import numpy as np
+import pytest
+
+import fastattn
+from fastattn import _api, reference
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F16, F32, F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
+HALF_ULP = {F16: 2.0**-11, BF16: 2.0**-8, F32: 0.0}
+
+
+def _rng(*key):
+    return np.random.default_rng(zlib.crc32(repr(key).encode()))
+
+
+def quantize(x):
+    """Symmetric int8 per row: scale = max|x| / 127, values = rint(x / scale)."""
+    scale = np.abs(x).max(axis=-1) / 127
+    scale[scale == 0] = 1
+    scale = scale.astype(np.float32)
+    return np.clip(np.rint(x / scale[..., None]), -127, 127).astype(np.int8), scale
+
+
+def as_f64(x):
+    """The exact float64 value of a stored K/V (int8 pairs dequantized)."""
+    if isinstance(x, tuple):
+        return x[0].astype(F64) * x[1].astype(F64)[..., None]
+    return np.asarray(x).astype(F64)
+
+
+def store(x, kind):
+    return quantize(x) if kind == "int8" else x.astype({"float16": F16, "bfloat16": BF16, "float32": F32}[kind])
+
+
+def check(got, q, k, v, out_dtype, **kw):
+    q64, k64, v64 = as_f64(q), as_f64(k), as_f64(v)
+    want = reference.attention(q64, k64, v64, **kw)
+    textbook = reference.attention(q64, k64, v64, dtype=np.float32, **kw)
+    err_tb = float(np.max(np.abs(textbook - want))) if want.size else 0.0
+    vmax = float(np.max(np.abs(v64))) if v64.size else 0.0
+    tol = max(2 * err_tb, 16 * 2.0**-24 * vmax) + HALF_ULP[np.dtype(out_dtype)] * float(np.max(np.abs(want), initial=0))
+    assert got.dtype == out_dtype
+    err = float(np.max(np.abs(got.astype(F64) - want))) if want.size else 0.0
+    assert err <= tol, f"max error {err:.3g} > tolerance {tol:.3g}"
+
+
+SHAPES = [(2, 4, 2, 37, 150, 40, 24), (1, 8, 2, 1, 1300, 64, 64), (2, 3, 3, 5, 70, 33, 17)]
+KV_KINDS = ["float16", "bfloat16", "int8"]
+Q_KINDS = {"float32": F32, "float16": F16, "bfloat16": BF16}
+OPTIONS = {
+    "plain": {},
+    "causal_kvlen": dict(causal=True, kv_lengths=True),
+    "top_left_window_mask": dict(causal="top_left", window=(20, 3), mask=True),
+    "modifiers": dict(softcap=5.0, sinks=True, causal=True),
+}
+
+
+def _case(shape, kv, qk, opt):
+    B, Hq, Hkv, L, S, E, Ev = shape
+    rng = _rng(shape, kv, qk, opt)
+    q = rng.standard_normal((B, Hq, L, E)).astype(Q_KINDS[qk])
+    k = store(rng.standard_normal((B, Hkv, S, E)).astype(F32), kv)
+    v = store(rng.standard_normal((B, Hkv, S, Ev)).astype(F32), kv)
+    kw = dict(OPTIONS[opt])
+    if kw.get("kv_lengths"):
+        kw["kv_lengths"] = rng.integers(S // 2, S + 1, size=B)
+    if kw.get("mask"):
+        kw["mask"] = rng.random((B, 1, L, S)) < 0.8
+    if kw.get("sinks"):
+        kw["sinks"] = rng.standard_normal(Hq)
+    return q, k, v, kw
+
+
+@pytest.mark.parametrize("opt", OPTIONS)
+@pytest.mark.parametrize("qk", Q_KINDS)
+@pytest.mark.parametrize("kv", KV_KINDS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_storage_dtype_matches_reference(isa, shape, kv, qk, opt):
+    q, k, v, kw = _case(shape, kv, qk, opt)
+    check(fastattn.attention(q, k, v, **kw), q, k, v, q.dtype, **kw)
+    for layout in ("lanes", "rows"):
+        for chunk in (0, 97):
+            got = _api.attention_with(q, k, v, {"layout": layout, "chunk_keys": chunk}, **kw)
+            check(got, q, k, v, q.dtype, **kw)
+
+
+@pytest.mark.parametrize("kv", KV_KINDS)
+def test_storage_dtype_bitwise_across_threads(kv):
+    q, k, v, kw = _case((2, 8, 2, 70, 1100, 64, 64), kv, "bfloat16", "causal_kvlen")
+    base, base_lse = fastattn.attention(q, k, v, num_threads=1, return_lse=True, **kw)
+    assert base_lse.dtype == F32
+    for n in (2, 3, 8):
+        got, lse = fastattn.attention(q, k, v, num_threads=n, return_lse=True, **kw)
+        assert np.array_equal(got.view(np.uint16), base.view(np.uint16)) and np.array_equal(lse, base_lse), n
+
+
+def test_output_is_rounded_once_to_nearest_even():
+    """A 16-bit output is the float32 result rounded once: the same bits as
+    rounding the float32 call's output (both computed in float32)."""
+    rng = _rng("round")
+    q = rng.standard_normal((1, 4, 33, 40)).astype(F32)
+    k, v = (rng.standard_normal((1, 4, 90, 40)).astype(F16) for _ in range(2))
+    f32 = fastattn.attention(q, k.astype(F32), v.astype(F32))
+    for dt in (F16, BF16):
+        out = np.empty(f32.shape, dt)
+        fastattn.attention(q.astype(dt), k, v, out=out)
+        # q rounded to dt first, so compare against the same rounded q in float32
+        want = fastattn.attention(q.astype(dt).astype(F32), k.astype(F32), v.astype(F32)).astype(dt)
+        assert np.array_equal(out.view(np.uint16), want.view(np.uint16)), dt
+
+
+def test_int8_scales_are_applied_per_row():
+    """Scaling one key row's int8 values down and its scale up by 2 changes nothing."""
+    rng = _rng("i8rows")
+    q = rng.standard_normal((1, 2, 3, 16)).astype(F32)
+    k8, ks = quantize(rng.standard_normal((1, 2, 50, 16)).astype(F32))
+    v8, vs = quantize(rng.standard_normal((1, 2, 50, 16)).astype(F32))
+    k8[..., 7, :] = k8[..., 7, :] // 2 * 2
+    base = fastattn.attention(q, (k8, ks), (v8, vs))
+    k8b, ksb = k8.copy(), ks.copy()
+    k8b[..., 7, :] //= 2
+    ksb[..., 7] *= 2
+    assert np.allclose(fastattn.attention(q, (k8b, ksb), (v8, vs)), base, rtol=1e-6, atol=1e-7)
+
+
+def test_float_dtypes_still_compute_as_before():
+    """float32 in, float32 out and lse; float64 stays float64 throughout."""
+    rng = _rng("f3264")
+    for dt in (F32, F64):
+        q, k, v = (rng.standard_normal((1, 2, 9, 8)).astype(dt) for _ in range(3))
+        out, lse = fastattn.attention(q, k, v, return_lse=True)
+        assert out.dtype == lse.dtype == dt
+
+
+BAD = [
+    (lambda q, k, v: (q.astype(F16), k.astype(F64), v.astype(F64)), TypeError, "float64"),
+    (lambda q, k, v: (q.astype(F64), k.astype(F16), v.astype(F16)), TypeError, "float64"),
+    (lambda q, k, v: (q, k.astype(F16), v.astype(BF16)), TypeError, "same dtype"),
+    (lambda q, k, v: (q, quantize(k)[0], quantize(v)), TypeError, "int8"),
+    (lambda q, k, v: (q, (quantize(k)[0], quantize(k)[1][..., :-1]), quantize(v)), ValueError, "scales"),
+    (lambda q, k, v: (q, (k.astype(F16), quantize(k)[1]), quantize(v)), TypeError, "int8"),
+    (lambda q, k, v: (q, quantize(k), v), TypeError, "same dtype"),
+    (lambda q, k, v: (q.astype(np.int8), k, v), TypeError, "q must be"),
+]
+
+
+@pytest.mark.parametrize("make, error, match", BAD, ids=[m for _, _, m in BAD])
+def test_bad_dtype_combinations_are_refused(make, error, match):
+    rng = _rng("bad")
+    q, k, v = (rng.standard_normal((1, 2, 4, 8)).astype(F32) for _ in range(3))
+    q2, k2, v2 = make(q, k, v)
+    out = np.full((1, 2, 4, 8), 7, np.asarray(q2).dtype if np.asarray(q2).dtype.kind == "f" else F32)
+    with pytest.raises(error, match=match):
+        fastattn.attention(q2, k2, v2, out=out)
+    assert (out == 7).all()
