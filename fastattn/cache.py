@@ -1,9 +1,11 @@
 """KVCache: preallocated key/value buffers for decoding, filled in place.
 
-This file owns the cache's storage, its per-batch-entry lengths and the rules
-for appending; attention over it is one `fastattn.attention` call with
-``kv_lengths`` (the kernel skips the unfilled keys, so nothing is copied). It
-holds no arithmetic and knows nothing of layers or models.
+This file owns the cache's storage (float32, float64, float16, bfloat16 or
+int8 with a scale per row), its per-batch-entry lengths and the rules for
+appending, where new keys and values are rounded or quantised once; attention
+over it is one `fastattn.attention` call with ``kv_lengths`` (the kernel skips
+the unfilled keys and converts as it loads, so nothing is copied). It knows
+nothing of layers or models.
 """
 import operator
 
@@ -11,7 +13,114 @@ import numpy as np
 
 from fastattn._api import attention
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "quantize_int8"]
+
+_FLOATS = ("float16", "bfloat16", "float32", "float64")
+
+
+def _storage_dtype(dtype):
+    """The buffers' dtype: float32, float64, float16, bfloat16 or int8."""
+    if isinstance(dtype, str) and dtype == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise ImportError(
+                "dtype='bfloat16' needs the ml_dtypes package (NumPy has no bfloat16): "
+                "pip install ml_dtypes") from None
+        return np.dtype(ml_dtypes.bfloat16)
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or dt.name not in _FLOATS + ("int8",):
+        raise TypeError(
+            "dtype must be float32, float64, float16, 'bfloat16' (ml_dtypes) or 'int8'; "
+            f"got {dtype if dt is None else dt}")
+    return dt.newbyteorder("=")
+
+
+def _is_float(dtype):
+    return dtype.kind == "f" or dtype.name == "bfloat16"
+
+
+def _round(x, dtype):
+    """``x`` rounded once to nearest (ties to even) in ``dtype``; inf past its range."""
+    if x.dtype == dtype:
+        return x
+    if dtype.name == "bfloat16" and x.dtype.itemsize > 4:
+        # ml_dtypes converts float64 through float32, rounding twice (1 + 2^-8
+        # + 2^-30 becomes 1, not 1 + 2^-7). Truncating to float32 and setting
+        # its last bit when inexact (round to odd) keeps the information a
+        # second rounding needs: with 16 more bits than bfloat16, the final
+        # round to nearest even is then the only one.
+        x = x.astype(np.float64, copy=False)
+        with np.errstate(over="ignore", invalid="ignore"):
+            f = x.astype(np.float32)
+            t = np.where(np.abs(f) > np.abs(x), np.nextafter(f, np.float32(0)), f)  # toward 0
+            inexact = t.astype(np.float64) != x  # NaN stays NaN with its bit set
+        x = (t.view(np.uint32) | inexact.astype(np.uint32)).view(np.float32)
+    with np.errstate(over="ignore"):  # past the range: inf, as astype gives
+        return x.astype(dtype)
+
+
+def _quantize(x):
+    """Per-row symmetric int8: (values, scales, finite); see quantize_int8.
+
+    Rows holding NaN or inf, or too large for a float32 scale, get values 0,
+    scale NaN and finite False: the caller decides what to do with them.
+    """
+    x64 = np.asarray(x).astype(np.float64)  # exact from every float dtype
+    amax = np.max(np.abs(x64), axis=-1, initial=0.0)  # NaN if the row holds NaN
+    with np.errstate(over="ignore", invalid="ignore"):
+        scales = (amax / 127).astype(np.float32)  # one rounding
+    finite = np.isfinite(scales)
+    scales[~finite] = np.nan
+    s64 = scales.astype(np.float64)[..., None]
+    use = (s64 > 0) & finite[..., None]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        q = np.where(use, np.rint(x64 / np.where(use, s64, 1.0)), 0.0)  # rint: ties to even
+    # |x| / scale <= 127 (1 + 2^-24): rint gives at most 127; clip for safety
+    values = np.clip(q, -127, 127).astype(np.int8)
+    return values, scales, finite
+
+
+def quantize_int8(x):
+    """Symmetric int8 quantisation with one scale per row, as KVCache stores it.
+
+    For each row (the last axis, a head dimension) ``scale = max|x| / 127``
+    rounded to float32, and ``values = rint(x / scale)`` (ties to even)
+    clipped to [-127, 127]; a row of zeros gets scale 0 and values 0. The
+    row stands for ``values * scale``: each element within ``scale / 2`` of
+    ``x``, so the error is at most ``max|x| / 254`` per row.
+
+    Parameters
+    ----------
+    x : array_like of float (float16, bfloat16, float32 or float64), (..., E)
+
+    Returns
+    -------
+    values : ndarray of int8, (..., E)
+    scales : ndarray of float32, (...)
+        ``(values, scales)`` is the pair :func:`fastattn.attention` takes.
+
+    Raises
+    ------
+    ValueError
+        If ``x`` holds NaN or inf, or a row whose scale would overflow
+        float32 (int8 cannot hold them).
+    """
+    a = np.asarray(x)
+    if not _is_float(a.dtype):
+        raise TypeError(f"x must be floating point (float16, bfloat16, float32 or float64); got {a.dtype}")
+    if a.ndim < 1:
+        raise ValueError("x must have at least 1 dimension (rows of E numbers); got a scalar")
+    values, scales, finite = _quantize(a)
+    if not finite.all():
+        row = tuple(int(i) for i in np.argwhere(~finite)[0])
+        raise ValueError(
+            f"x row {row} holds NaN or inf, or values beyond float32's range; int8 "
+            "quantisation needs finite values")
+    return values, scales
 
 
 def _positive(value, name, minimum=1):
@@ -48,14 +157,26 @@ class KVCache:
         Key (and query) head dimension ``E``.
     head_dim_v : int, optional
         Value head dimension ``Ev``; default ``head_dim``.
-    dtype : {np.float32, np.float64}
-        Element type of the buffers; appended keys and values must have it.
+    dtype : {np.float32, np.float64, np.float16, "bfloat16", "int8"}
+        What the buffers store. ``"bfloat16"`` (or ``ml_dtypes.bfloat16``)
+        needs the ml_dtypes package. ``"int8"`` stores int8 keys and values
+        plus one float32 scale per (batch entry, head, token) row for each,
+        in buffers of shape (batch, num_kv_heads, capacity); a row stands
+        for ``values * scale`` (:func:`quantize_int8`). Appended keys and
+        values may be any of float16, bfloat16, float32 and float64; they
+        are rounded (to nearest, ties to even) or quantised on the way in.
 
     Notes
     -----
     Not thread-safe: one cache belongs to one decoding loop. Positions past a
     batch entry's length hold stale data (or zeros), which attention never
     reads.
+
+    Queries: the output of :meth:`attend` has q's dtype; a float64 cache
+    takes float64 queries only, and float64 queries need a float64 cache
+    (as :func:`fastattn.attention` requires). Memory per key and value
+    element: 8, 4, 2, 2 and 1 byte (plus 4 bytes per row for int8's scale),
+    see :attr:`nbytes`.
 
     Examples
     --------
@@ -76,13 +197,15 @@ class KVCache:
         capacity = _positive(capacity, "capacity")
         head_dim = _positive(head_dim, "head_dim")
         head_dim_v = head_dim if head_dim_v is None else _positive(head_dim_v, "head_dim_v")
-        dt = np.dtype(dtype)
-        if dt not in (np.dtype(np.float32), np.dtype(np.float64)):
-            raise TypeError(f"dtype must be float32 or float64; got {dt}")
+        dt = _storage_dtype(dtype)
         # Zeros, not np.empty: unfilled positions are never read by attention,
         # but a user printing the buffers should not see garbage.
         self._k = np.zeros((batch, num_kv_heads, capacity, head_dim), dt)
         self._v = np.zeros((batch, num_kv_heads, capacity, head_dim_v), dt)
+        # int8: one float32 scale per stored row; None for the float dtypes
+        rows = (batch, num_kv_heads, capacity)
+        self._k_scales = np.zeros(rows, np.float32) if dt == np.int8 else None
+        self._v_scales = np.zeros(rows, np.float32) if dt == np.int8 else None
         self._lengths = np.zeros(batch, np.int64)
 
     # -- shape -------------------------------------------------------------
@@ -114,13 +237,19 @@ class KVCache:
 
     @property
     def dtype(self):
-        """Element type of the buffers."""
+        """Element type of the key and value buffers (int8 for an int8 cache)."""
         return self._k.dtype
 
     @property
+    def quantized(self):
+        """True for an int8 cache (values plus a scale per row)."""
+        return self._k_scales is not None
+
+    @property
     def nbytes(self):
-        """Bytes held by the two buffers."""
-        return self._k.nbytes + self._v.nbytes
+        """Bytes held by the buffers, int8's scale buffers included."""
+        scales = self._k_scales.nbytes + self._v_scales.nbytes if self.quantized else 0
+        return self._k.nbytes + self._v.nbytes + scales
 
     # -- contents ----------------------------------------------------------
 
@@ -133,34 +262,46 @@ class KVCache:
 
     @property
     def keys(self):
-        """Read-only view of the filled keys, (batch, Hkv, max(lengths), E).
+        """The filled keys, (batch, Hkv, max(lengths), E): a read-only view
+        of the buffer in the cache's dtype; for an int8 cache a new float32
+        array ``values * scales`` (each element rounded once to float32).
 
         When entries have different lengths, rows past an entry's own length
         are not part of it (see :attr:`lengths`).
         """
-        return self._filled(self._k)
+        return self._filled(self._k, self._k_scales, dequantize=True)
 
     @property
     def values(self):
-        """Read-only view of the filled values, (batch, Hkv, max(lengths), Ev)."""
-        return self._filled(self._v)
+        """The filled values, (batch, Hkv, max(lengths), Ev); as :attr:`keys`."""
+        return self._filled(self._v, self._v_scales, dequantize=True)
 
     @property
     def key_buffer(self):
-        """Read-only view of the whole key buffer, (batch, Hkv, capacity, E)."""
-        return self._filled(self._k, self.capacity)
+        """The whole key buffer, (batch, Hkv, capacity, E), as a read-only view;
+        for an int8 cache the pair (values, scales) of read-only views, as
+        :func:`fastattn.attention` takes it."""
+        return self._filled(self._k, self._k_scales, self.capacity)
 
     @property
     def value_buffer(self):
-        """Read-only view of the whole value buffer, (batch, Hkv, capacity, Ev)."""
-        return self._filled(self._v, self.capacity)
+        """The whole value buffer, (batch, Hkv, capacity, Ev); as :attr:`key_buffer`."""
+        return self._filled(self._v, self._v_scales, self.capacity)
 
-    def _filled(self, buffer, n=None):
+    def _filled(self, buffer, scales, n=None, dequantize=False):
         n = int(self._lengths.max()) if n is None else n
         view = buffer[:, :, :n]
         # Writes must go through append(), which keeps lengths consistent.
         view.flags.writeable = False
-        return view
+        if scales is None:
+            return view
+        s = scales[:, :, :n]
+        s.flags.writeable = False
+        if dequantize:
+            out = view.astype(np.float32) * s[..., None]
+            out.flags.writeable = False
+            return out
+        return view, s
 
     # -- operations --------------------------------------------------------
 
@@ -170,11 +311,14 @@ class KVCache:
         Parameters
         ----------
         k : array_like, (batch, Hkv, n, E)
-            New keys, the cache's dtype. Strided views (for example a
-            projection reshaped to (batch, n, Hkv, E) and transposed) are fine:
-            they are copied once, into the buffer.
+            New keys: float16, bfloat16, float32 or float64, rounded once to
+            the cache's dtype (to nearest, ties to even; past its range:
+            inf, as ``astype`` gives), or for an int8 cache quantised with
+            :func:`quantize_int8`. Strided views (for example a projection
+            reshaped to (batch, n, Hkv, E) and transposed) are fine: they
+            are copied once, into the buffer.
         v : array_like, (batch, Hkv, n, Ev)
-            New values, the cache's dtype.
+            New values, as ``k``.
         lengths : array_like of int, optional
             How many of the n new rows are valid for each batch entry
             (broadcastable to (batch,), each in [0, n]); the rest are padding
@@ -183,10 +327,13 @@ class KVCache:
         Raises
         ------
         ValueError
-            If a shape does not match the cache, or an entry would grow past
-            the capacity (the message names both); the cache is then unchanged.
+            If a shape does not match the cache, an entry would grow past
+            the capacity (the message names both), or, for an int8 cache, a
+            row to be stored holds NaN or inf (int8 cannot hold them; a float
+            cache stores them, and attention propagates them). The cache is
+            then unchanged: every check comes before the first write.
         TypeError
-            If k or v does not have the cache's dtype.
+            If k or v is not floating point.
         """
         k = self._check_new(k, "k", self.head_dim)
         v = self._check_new(v, "v", self.head_dim_v)
@@ -203,25 +350,49 @@ class KVCache:
                 f"KVCache capacity {self.capacity} exceeded: batch entry {b} holds "
                 f"{int(self._lengths[b])} keys and appending {int(counts[b])} needs length "
                 f"{int(new[b])}; the cache is unchanged")
+        # Rounded or quantised before anything is written, so that a refusal
+        # (NaN into an int8 cache) leaves the cache as it was.
+        rows = [self._encode(x, name, counts) for x, name in ((k, "k"), (v, "v"))]
+        pairs = [(self._k, self._k_scales), (self._v, self._v_scales)]
         start = int(self._lengths[0])
         if (self._lengths == start).all() and (counts == n).all():
             # The common case (every entry at the same length, all rows valid):
             # one strided copy per buffer.
-            self._k[:, :, start:start + n] = k
-            self._v[:, :, start:start + n] = v
+            for stored, given in zip(pairs, rows):
+                for buf, x in zip(stored, given):
+                    if buf is not None:
+                        buf[:, :, start:start + n] = x
         else:
             for b in range(self.batch):
                 lo, c = int(self._lengths[b]), int(counts[b])
-                self._k[b, :, lo:lo + c] = k[b, :, :c]
-                self._v[b, :, lo:lo + c] = v[b, :, :c]
+                for stored, given in zip(pairs, rows):
+                    for buf, x in zip(stored, given):
+                        if buf is not None:
+                            buf[b, :, lo:lo + c] = x[b, :, :c]
         self._lengths[:] = new
+
+    def _encode(self, x, name, counts):
+        """New rows as stored: (rounded, None), or (int8 values, scales)."""
+        if not self.quantized:
+            return _round(x, self.dtype), None
+        values, scales, finite = _quantize(x)
+        stored = np.arange(x.shape[2]) < counts[:, None, None]  # padding rows are not kept
+        bad = np.argwhere(stored & ~finite)
+        if bad.size:
+            b, h, t = (int(i) for i in bad[0])
+            raise ValueError(
+                f"{name} holds NaN or inf (or a value past float32's range) at batch entry {b}, "
+                f"head {h}, new row {t}; an int8 cache stores finite values only. The cache "
+                "is unchanged")
+        return values, scales
 
     def _check_new(self, x, name, dim):
         a = np.asarray(x)
-        if a.dtype != self.dtype:
+        if not _is_float(a.dtype):
             raise TypeError(
-                f"{name} must have the cache's dtype {self.dtype}; got {a.dtype} "
-                f"(convert it with .astype(np.{self.dtype.name}))")
+                f"{name} must be floating point (float16, bfloat16, float32 or float64; it is "
+                f"{'quantised' if self.quantized else 'rounded'} into the cache's "
+                f"{self.dtype.name}); got {a.dtype}")
         want = (self.batch, self.num_kv_heads, dim)
         if a.ndim != 4 or (a.shape[0], a.shape[1], a.shape[3]) != want:
             raise ValueError(
@@ -257,7 +428,9 @@ class KVCache:
         Parameters
         ----------
         q : array_like, (batch, Hq, L, E)
-            Queries; Hq a multiple of the cache's Hkv. With ``causal=True``
+            Queries (float16, bfloat16, float32; float64 for a float64
+            cache), Hq a multiple of the cache's Hkv; the output has their
+            dtype. An int8 cache passes ``(values, scales)`` pairs. With ``causal=True``
             query row i sits at key position ``lengths[b] - L + i``: the L
             queries are the last L tokens appended.
         causal : {True, False, "bottom_right", "top_left"}
@@ -277,7 +450,9 @@ class KVCache:
             raise TypeError("attend() takes no kv_lengths: the cache's own lengths are used")
         # The full buffers go in; kv_lengths hides every key past each length,
         # so the kernel neither reads nor copies the unfilled part.
-        return attention(q, self._k, self._v, causal=causal, kv_lengths=self._lengths, **kwargs)
+        k = self._k if self._k_scales is None else (self._k, self._k_scales)
+        v = self._v if self._v_scales is None else (self._v, self._v_scales)
+        return attention(q, k, v, causal=causal, kv_lengths=self._lengths, **kwargs)
 
     def reset(self):
         """Empty every batch entry (the buffers are kept, not cleared)."""

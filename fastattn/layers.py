@@ -92,9 +92,22 @@ class MultiHeadAttention:
         zeros = (lambda n: np.zeros(n, dt)) if bias else (lambda n: None)
         self.b_Q, self.b_K, self.b_V, self.b_O = zeros(dq), zeros(dkv), zeros(dkv), zeros(d_model)
 
-    def new_cache(self, batch, capacity):
-        """A :class:`KVCache` that fits this layer: (batch, Hkv, capacity, d_k)."""
-        return KVCache(batch, self.num_kv_heads, capacity, self.d_k, dtype=self.dtype)
+    def new_cache(self, batch, capacity, dtype=None):
+        """A :class:`KVCache` that fits this layer: (batch, Hkv, capacity, d_k).
+
+        ``dtype`` is what the cache stores (see :class:`KVCache`): the
+        layer's dtype by default; a float32 layer may keep float16,
+        ``"bfloat16"`` or ``"int8"`` keys and values (its projections are
+        rounded or quantised as they are appended, and attention reads them
+        as stored). A float64 layer needs a float64 cache.
+        """
+        cache = KVCache(batch, self.num_kv_heads, capacity, self.d_k,
+                        dtype=self.dtype if dtype is None else dtype)
+        if self.dtype == np.float64 and cache.dtype != np.float64:
+            raise TypeError(
+                f"a float64 layer needs a float64 cache (float64 attention is float64 "
+                f"throughout); got dtype {cache.dtype.name}")
+        return cache
 
     def _input(self, x, name):
         a = np.asarray(x)
@@ -162,8 +175,9 @@ class MultiHeadAttention:
             As in :func:`fastattn.attention`. With a cache, ``True`` places
             the L queries at the last L positions filled (a decoder).
         cache : KVCache, optional
-            This call's keys and values are appended to it, then the queries
-            attend over everything it holds. Build it with :meth:`new_cache`.
+            This call's keys and values are appended to it (rounded or
+            quantised to its dtype), then the queries attend over everything
+            it holds. Build it with :meth:`new_cache`.
         mask : array_like, optional
             As in :func:`fastattn.attention`, broadcastable to (B, Hq, L, S),
             where S is the cache's capacity when a cache is given.

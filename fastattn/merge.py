@@ -31,10 +31,11 @@ def merge_attention(outs, lses, sinks=None):
     Parameters
     ----------
     outs : sequence of array_like, each (..., L, Ev)
-        Partial outputs, all the same shape, float32 or float64.
+        Partial outputs, all the same shape: float16, bfloat16 (ml_dtypes),
+        float32 or float64.
     lses : sequence of array_like, each (..., L)
-        Their log-sum-exps (``return_lse=True``), one per output, with the
-        outputs' shape less the last axis.
+        Their log-sum-exps (``return_lse=True``; float32 for 16-bit calls),
+        one per output, with the outputs' shape less the last axis.
     sinks : array_like of float, shape (Hq,), optional
         One sink logit per query head, as ``sinks=`` of
         :func:`fastattn.attention`: broadcast against the lses'
@@ -44,9 +45,13 @@ def merge_attention(outs, lses, sinks=None):
     Returns
     -------
     out : ndarray, (..., L, Ev)
-        The merged output, in the outputs' common dtype.
+        The merged output. The arithmetic is float64 if any output or lse
+        is float64, float32 otherwise (16-bit outputs are widened exactly);
+        ``out`` is in that dtype, except that outputs all of one 16-bit
+        dtype give that dtype back (rounded once, to nearest even).
     lse : ndarray, (..., L)
-        The merged log-sum-exp, same dtype.
+        The merged log-sum-exp, in the arithmetic dtype (float32 for 16-bit
+        outputs with float32 lses).
 
     Raises
     ------
@@ -81,7 +86,7 @@ def merge_attention(outs, lses, sinks=None):
     shape = outs[0].shape
     for i, (o, s) in enumerate(zip(outs, lses)):
         for name, a in (("outs", o), ("lses", s)):
-            if a.dtype.kind != "f":
+            if a.dtype.kind != "f" and a.dtype.name != "bfloat16":
                 raise TypeError(f"{name}[{i}] must be floating point; got {a.dtype}")
         if o.ndim < 1 or o.shape != shape:
             raise ValueError(
@@ -91,7 +96,10 @@ def merge_attention(outs, lses, sinks=None):
             raise ValueError(
                 f"lses[{i}] must have the outputs' shape without the last axis, {shape[:-1]}; "
                 f"got {s.shape}")
-    dtype = np.result_type(*outs, *lses)
+    # float32 arithmetic unless something is float64; 16-bit parts widen exactly
+    dtype = np.dtype(np.float64 if any(a.dtype.itemsize > 4 for a in outs + lses) else np.float32)
+    out_dtype = outs[0].dtype if (len({o.dtype for o in outs}) == 1
+                                  and outs[0].dtype.itemsize == 2) else dtype
     if sinks is not None:
         sinks = _sink_logits(sinks, shape[:-1])
 
@@ -118,8 +126,8 @@ def merge_attention(outs, lses, sinks=None):
         live = w != 0
         # A part that saw nothing (w = 0) is skipped rather than multiplied,
         # so whatever its output holds (zeros, or NaN from a caller) stays out.
-        out += np.where(live[..., None], w[..., None].astype(dtype) * o, 0)
-    return out, lse.astype(dtype)
+        out += np.where(live[..., None], w[..., None].astype(dtype) * o.astype(dtype), 0)
+    return out.astype(out_dtype, copy=False), lse.astype(dtype)
 
 
 def _sink_logits(sinks, lse_shape):

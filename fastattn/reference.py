@@ -3,6 +3,7 @@
 This module *defines* what ``fastattn.attention`` computes.  It is written to
 be read, like the lecture it comes from, one named step at a time::
 
+    K, V     = values · scales   (int8 pairs)     dequantize()
     scores   = Q · Kᵀ                             scores()
     scaled   = scores · scale                     scale_scores()
     capped   = c · tanh(scaled / c)   (softcap)   cap_scores()
@@ -14,6 +15,7 @@ be read, like the lecture it comes from, one named step at a time::
 
 The steps in brackets are off unless asked for; with them off, ``capped`` and
 ``biased`` are ``scaled``.  This is the order of operations for the kernel too.
+``dequantize`` applies only to keys and values stored as int8.
 
 It is pure NumPy, materialises the full L×S score matrix and is slow on
 purpose: every number can be printed and checked by hand.  It imports nothing
@@ -25,6 +27,16 @@ Conventions (B, Hq, Hkv, L, S, E, Ev as in the PyTorch docs):
   is (..., L, Ev).  A 2-D input is one head.  For 3-D and higher inputs the
   head axis is axis -3 and the axes before it are batch axes, which broadcast
   as in NumPy among q, k and v.
+* Storage dtypes: ``q``, ``k`` and ``v`` may be float16, bfloat16
+  (ml_dtypes, recognised by its dtype name, never imported here), float32 or
+  float64; ``k`` and ``v`` may instead both be int8 pairs ``(values,
+  scales)``: int8 ``values`` (..., S, E) and floating ``scales`` of shape
+  ``values.shape[:-1]``, one per row, standing for ``values · scales[...,
+  None]``.  Every input is converted exactly to float64 (int8 pairs are
+  dequantized exactly: 8 × 24 bits fit in 53) and the computation runs in
+  float64: the reference computes from the same rounded inputs as the kernel
+  and keeps every digit.  With ``dtype=np.float32`` it is "textbook float32
+  NumPy" on those same inputs (each dequantized value rounded once to float32).
 * Grouped-query attention: with Hq query heads and Hkv key/value heads
   (Hq % Hkv == 0), query head h reads key/value head h // (Hq // Hkv).
 * Positions: query row ``i`` sits on key index ``d(i)``, its diagonal, which
@@ -61,6 +73,7 @@ __all__ = [
     "attention",
     "attention_steps",
     "cap_scores",
+    "dequantize",
     "logsumexp",
     "scale_scores",
     "scores",
@@ -458,6 +471,27 @@ def logsumexp(x):
     return lse[..., 0]
 
 
+def dequantize(values, scales):
+    """Step 0 (int8 keys or values only): ``values · scales``, row by row.
+
+    An int8 cache stores each (batch entry, head, token) row of E numbers as
+    int8 ``values`` and one ``scale``; the row it stands for is
+    ``values * scale``.
+
+    Parameters
+    ----------
+    values : ndarray of int8, shape (..., S, E)
+    scales : ndarray of float, shape (..., S)
+
+    Returns
+    -------
+    ndarray of float64, shape (..., S, E)
+        Exact: an int8 (8 bits) times a float32 (24 bits) fits in float64's
+        53 bits.
+    """
+    return values.astype(np.float64) * scales.astype(np.float64)[..., None]
+
+
 def weighted_sum(weights, v):
     """Step 5: each output row is the weights-weighted average of the values.
 
@@ -480,10 +514,51 @@ def weighted_sum(weights, v):
 
 def _as_heads(x, name, dtype):
     """Convert to ``dtype`` with a head axis at -3 (a 2-D input is one head)."""
-    x = np.asarray(x, dtype=dtype)
+    x = np.asarray(x)
+    if x.dtype == np.int8:
+        raise TypeError(
+            f"{name} is int8: int8 keys and values are passed as a pair (values, scales), "
+            f"scales floating of shape values.shape[:-1]" if name != "q" else
+            "q must not be int8: int8 storage is for k and v, as (values, scales) pairs")
+    x = x.astype(dtype, copy=False)  # exact from float16, bfloat16 and int8 pairs (float64)
     if x.ndim < 2:
         raise ValueError(f"{name} must have at least 2 dimensions, got shape {x.shape}")
     return x[None] if x.ndim == 2 else x
+
+
+def _is_pair(x):
+    return isinstance(x, tuple)
+
+
+def _int8_pair(pair, name):
+    """An int8 ``(values, scales)`` pair, checked and dequantized (float64)."""
+    if len(pair) != 2:
+        raise TypeError(
+            f"{name} must be an array or an int8 pair (values, scales); got a tuple of {len(pair)}")
+    values, scales = np.asarray(pair[0]), np.asarray(pair[1])
+    if values.dtype != np.int8:
+        raise TypeError(f"{name}'s values ({name}[0]) must be int8; got {values.dtype}")
+    if values.ndim < 2:
+        raise ValueError(f"{name} must have at least 2 dimensions, got shape {values.shape}")
+    if not (scales.dtype.kind == "f" or scales.dtype.name == "bfloat16"):
+        raise TypeError(f"{name}'s scales ({name}[1]) must be floating point; got {scales.dtype}")
+    if scales.shape != values.shape[:-1]:
+        raise ValueError(
+            f"{name}'s scales ({name}[1]) must have shape values.shape[:-1] = "
+            f"{values.shape[:-1]}, one per row; got {scales.shape}")
+    return dequantize(values, scales)
+
+
+def _kv_arrays(k, v):
+    """k and v as arrays: both int8 pairs (dequantized) or both as given."""
+    if _is_pair(k) != _is_pair(v):
+        pair, other = ("k", "v") if _is_pair(k) else ("v", "k")
+        raise TypeError(
+            f"k and v must both be int8 (values, scales) pairs or both arrays; got {pair} a pair "
+            f"and {other} an array of {np.asarray(v if pair == 'k' else k).dtype}")
+    if _is_pair(k):
+        return _int8_pair(k, "k"), _int8_pair(v, "v")
+    return k, v
 
 
 def _softcap_value(softcap):
@@ -538,11 +613,15 @@ def attention_steps(q, k, v, *, mask=None, causal=False, window=None, kv_lengths
     Parameters
     ----------
     q : array_like, shape (..., L, E)
-    k : array_like, shape (..., S, E)
-    v : array_like, shape (..., S, Ev)
+    k : array_like, shape (..., S, E), or an int8 pair ``(values, scales)``
+    v : array_like, shape (..., S, Ev), or an int8 pair ``(values, scales)``
         For 3-D and higher inputs axis -3 is the head axis (Hq for ``q``, Hkv
         for ``k`` and ``v``, with Hq % Hkv == 0) and the axes before it are
-        broadcast batch axes.
+        broadcast batch axes.  float16, bfloat16, float32 and float64 are
+        converted exactly to ``dtype``'s precision (float64 by default).  An
+        int8 pair (a tuple: ``k`` and ``v`` both or neither) is int8
+        ``values`` and floating ``scales`` of shape ``values.shape[:-1]``;
+        it stands for ``values * scales[..., None]`` (:func:`dequantize`).
     mask : array_like of bool or float, optional
         Broadcastable to (*out_leading, L, S).  True = may attend; a float
         mask is added to the scaled scores.
@@ -572,6 +651,8 @@ def attention_steps(q, k, v, *, mask=None, causal=False, window=None, kv_lengths
         alignment.  |value| <= 2**60.
     dtype : dtype, optional
         The dtype the whole computation is done in (float64 by default).
+        ``np.float32`` is "textbook float32 NumPy" on the same rounded or
+        dequantized inputs (each input value rounded once to float32).
 
     Returns
     -------
@@ -581,7 +662,9 @@ def attention_steps(q, k, v, *, mask=None, causal=False, window=None, kv_lengths
     Raises
     ------
     TypeError
-        A non-floating ``dtype``; ``mask``, ``kv_lengths``, ``window``,
+        A non-floating ``dtype``; an int8 ``q``, or int8 ``k`` or ``v`` that
+        is not a pair; a pair that is not int8 values and floating scales;
+        ``k`` a pair and ``v`` not (or the reverse); ``mask``, ``kv_lengths``, ``window``,
         ``alibi_slopes`` or ``sinks`` of the wrong kind of number; a
         ``softcap`` that is not a real number; ``q_start`` or ``k_start``
         that are not integers.
@@ -592,6 +675,7 @@ def attention_steps(q, k, v, *, mask=None, causal=False, window=None, kv_lengths
     dtype = np.dtype(dtype)
     if dtype.kind != "f":
         raise TypeError(f"dtype must be a floating dtype, got {dtype}")
+    k, v = _kv_arrays(k, v)
     headless = all(np.ndim(x) == 2 for x in (q, k, v))
     q, k, v = (_as_heads(x, n, dtype) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     (Hq, L, E), (Hkv, S, Ek), (Hv, Sv, Ev) = q.shape[-3:], k.shape[-3:], v.shape[-3:]

@@ -1,10 +1,11 @@
-"""Helpers every test module shares: `from _helpers import randn, tolerance`
+"""Helpers every test module shares: `from _helpers import randn, tolerance, bf16`
 (pytest's `pythonpath = ["tests"]` puts this folder, not the repository root,
 on sys.path)."""
 import importlib.util
 import pathlib
 
 import numpy as np
+import pytest
 
 import fastattn
 
@@ -24,20 +25,48 @@ def randn(rng, shape, dtype=np.float32):
     return rng.standard_normal(shape).astype(dtype)
 
 
+# Half an ulp of the 16-bit output dtypes, relative (2^-(mantissa bits + 1)),
+# and half their smallest subnormal, below which the relative bound fails.
+_HALF_ULP = {"float16": (2.0**-11, 2.0**-25), "bfloat16": (2.0**-8, 2.0**-134)}
+
+
+def bf16():
+    """ml_dtypes.bfloat16, or skip the calling test when ml_dtypes is missing."""
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 needs ml_dtypes")
+    return ml_dtypes.bfloat16
+
+
+def _dequantized(x):
+    """An int8 (values, scales) pair as the float64 array it stands for."""
+    if isinstance(x, tuple):
+        return fastattn.reference.dequantize(np.asarray(x[0]), np.asarray(x[1]))
+    return np.asarray(x).astype(np.float64)
+
+
 def tolerance(q, k, v, **kw):
     """How far fastattn may be from the float64 reference on these inputs.
 
-    float32: max(2 × the error of textbook float32 NumPy on the same inputs,
-    16·2⁻²⁴·max|V|); float64: 1e-12 relative to max|V|.
+    The output has q's dtype. float32: max(2 × the error of textbook float32
+    NumPy on the same inputs, 16·2⁻²⁴·max|V|); float64: 1e-12 relative to
+    max|V|; float16 and bfloat16: the float32 rule (the kernel computes in
+    float32) plus half an ulp of the output dtype at max|out| (2⁻¹¹ and 2⁻⁸
+    relative), for the one rounding of the output. k and v may be int8
+    (values, scales) pairs; max|V| is then of the dequantized values.
     """
-    v = np.asarray(v)
-    vmax = float(np.max(np.abs(v))) if v.size else 0.0
-    if np.asarray(q).dtype == np.float64:
+    v64 = _dequantized(v)
+    vmax = float(np.max(np.abs(v64))) if v64.size else 0.0
+    out_dtype = np.asarray(q).dtype
+    if out_dtype == np.float64:
         return 1e-12 * max(vmax, 1.0)
     ref = fastattn.reference.attention(q, k, v, **kw)
     f32 = fastattn.reference.attention(q, k, v, dtype=np.float32, **kw)
     textbook = float(np.max(np.abs(f32 - ref))) if ref.size else 0.0
-    return max(2 * textbook, 16 * 2.0**-24 * vmax)
+    tol = max(2 * textbook, 16 * 2.0**-24 * vmax)
+    if out_dtype.name in _HALF_ULP:
+        relative, floor = _HALF_ULP[out_dtype.name]
+        outmax = float(np.max(np.abs(ref))) if ref.size else 0.0
+        tol += max(relative * outmax, floor)
+    return tol
 
 
 def planned(q, k, v, strategy=None, **kw):
