@@ -28,6 +28,7 @@ def show_info():
     i = fastattn.info()
     print(f"fastattn {i['version']}")
     print(f"  ISA in use     {i['isa']} (this CPU runs: {', '.join(i['isas'])})")
+    print(f"  CPU features   {' '.join(i['cpu_features']) or 'baseline only'}")
     print(f"  OpenMP         {'yes' if i['openmp'] else 'no: this build runs on one thread'}")
     print(f"  max threads    {i['max_threads']} (num_threads=None; set OMP_NUM_THREADS to change)")
     print(f"  machine        {cpu_model()}, {i['machine']}")

@@ -14,7 +14,8 @@ def info():
     -------
     dict
         ``version``, ``isa`` (the micro-kernel set in use), ``isas`` (those
-        this CPU runs, best first), ``openmp`` (built with OpenMP),
+        this CPU runs, best first), ``cpu_features`` (the extensions dispatch
+        found: F16C and AVX-512 convert float16 K/V in one instruction), ``openmp`` (built with OpenMP),
         ``max_threads`` (what ``num_threads=None`` uses), ``machine``,
         ``python`` and ``numpy`` versions.
     """
@@ -22,6 +23,7 @@ def info():
         "version": __version__,
         "isa": _kernel.isa(),
         "isas": _kernel.available_isas(),
+        "cpu_features": _kernel.cpu_features(),
         "openmp": _kernel.openmp(),
         "max_threads": _kernel.max_threads(),
         "machine": platform.machine(),

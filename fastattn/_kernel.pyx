@@ -55,6 +55,7 @@ cdef extern from "fastattn.h" nogil:
     int fa_check(const fa_args *args)
     const char *fa_strerror(int code)
     const char *fa_isa()
+    const char *fa_cpu_features()
     int fa_set_isa(const char *name)
     int fa_isa_supported(const char *name)
     int fa_openmp()
@@ -251,6 +252,11 @@ def isa_supported(name):
 def available_isas():
     """The micro-kernel sets compiled in that this CPU runs, best first."""
     return [n for n in ISAS if fa_isa_supported(n.encode())]
+
+
+def cpu_features():
+    """The CPU extensions dispatch found (e.g. ["avx2", "fma", "f16c"])."""
+    return fa_cpu_features().decode().split()
 
 
 def openmp():

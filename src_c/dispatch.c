@@ -72,6 +72,35 @@ int fa_set_isa(const char *name) {
 
 int fa_isa_supported(const char *name) { return name && find(name) != NULL; }
 
+/* The CPU extensions dispatch looked for and found, space-separated (the
+ * conversions of float16 K/V need F16C on x86-64; arm64's NEON has them). */
+const char *fa_cpu_features(void) {
+    static char found[160];
+    static int done;
+    if (__atomic_load_n(&done, __ATOMIC_ACQUIRE)) return found;
+    char buf[sizeof found] = "";
+#if defined(__x86_64__) || defined(__i386__)
+    static const char *const names[] = {"sse2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw",
+                                        "avx512vl", "avx512dq", "avx512bf16"};
+    __builtin_cpu_init();
+    const int has[] = {__builtin_cpu_supports("sse2"), __builtin_cpu_supports("avx"), __builtin_cpu_supports("avx2"),
+                       __builtin_cpu_supports("fma"), __builtin_cpu_supports("f16c"),
+                       __builtin_cpu_supports("avx512f"), __builtin_cpu_supports("avx512bw"),
+                       __builtin_cpu_supports("avx512vl"), __builtin_cpu_supports("avx512dq"),
+                       __builtin_cpu_supports("avx512bf16")};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (has[i]) {
+            if (buf[0]) strcat(buf, " ");
+            strcat(buf, names[i]);
+        }
+#elif defined(__aarch64__)
+    strcat(buf, "neon fp16-conversion");
+#endif
+    memcpy(found, buf, sizeof found);
+    __atomic_store_n(&done, 1, __ATOMIC_RELEASE);
+    return found;
+}
+
 const char *fa_isa(void) { return fa_current_isa()->name; }
 
 int fa_test_exp2(const char *isa, int dtype, const void *x, void *y, int64_t n) {

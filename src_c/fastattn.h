@@ -133,6 +133,9 @@ const char *fa_isa(void);
  * the environment variable FASTATTN_ISA sets the initial choice. */
 int fa_set_isa(const char *name);
 
+/* The CPU extensions dispatch found, space-separated ("avx2 fma f16c ..."). */
+const char *fa_cpu_features(void);
+
 /* Whether the named micro-kernel set is compiled in and runs on this CPU. */
 int fa_isa_supported(const char *name);
 

@@ -100,7 +100,7 @@ def test_transformer_example_exits_1_when_the_tokens_differ(monkeypatch, capsys)
 
 # What the test appends to a README block: checks of what the block claims.
 README_CHECKS = {
-    "KVCache": """
+    "cache.truncate(": """
 assert out.shape == (2, 8, 1, 64) and lse.shape == (2, 8, 1)
 full, full_lse = fastattn.attention(q, k, k, return_lse=True)
 np.testing.assert_allclose(out, full, rtol=1e-5, atol=1e-6)   # the merge is one call over all 100 keys

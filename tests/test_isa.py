@@ -70,3 +70,15 @@ def test_fastattn_isa_environment_variable(env, expect, tmp_path):
                          env={**os.environ, "FASTATTN_ISA": env}, check=True).stdout.strip()
     # an unknown name falls back to the best set, and info() tells which
     assert out == (expect or fastattn.available_isas()[0])
+
+
+def test_cpu_features_agree_with_the_isas_dispatch_offers():
+    """info() names the extensions dispatch found; a set it offers needs them."""
+    features = set(fastattn.info()["cpu_features"])
+    isas = fastattn.available_isas()
+    if "avx2" in isas:
+        assert {"avx2", "fma", "f16c"} <= features
+    if "avx512" in isas:
+        assert {"avx512f", "avx512bw", "avx512vl", "avx512dq", "f16c"} <= features
+    if "neon" in isas:
+        assert "neon" in features

@@ -8,10 +8,13 @@
  * its own flags), links this file against it and prints each command it runs.
  * Run: build/c/decode [steps [threads]].
  *
- * A (1, HKV, capacity, E) cache is allocated once; each step appends one token's key and
- * value per KV head, then one query row per query head (grouped-query, HQ/HKV heads per
- * KV head) attends to the filled part: kv_len says how much is filled, causal places the
- * query at the newest key. Every step is checked against a naive loop in double.
+ * A (1, HKV, capacity, E) cache in float16 (half the bytes of float32: decoding reads the
+ * whole cache every step) is allocated once; each step appends one token's key and value per
+ * KV head, rounded to float16, then one float32 query row per query head (grouped-query,
+ * HQ/HKV heads per KV head) attends to the filled part: kv_len says how much is filled, causal
+ * places the query at the newest key. The kernel converts float16 to float32 as it loads and
+ * computes in float32. Every step is checked against a naive loop in double over the same
+ * rounded cache.
  * Exit status 0 and "passed" when every step agrees.
  */
 #include <math.h>
@@ -20,6 +23,7 @@
 #include <stdlib.h>
 #include <time.h>
 #include "fastattn.h"
+#include "convert.h" /* fa_f32_to_f16 / fa_f16_to_f32: exact, ties to even (src_c/convert.h) */
 
 enum { HQ = 8, HKV = 2, E = 64 };
 
@@ -38,14 +42,14 @@ static double now(void) {
 
 /* The definition for query head h at cache length n: softmax(q·kᵀ·scale) v over keys 0..n-1
  * (causal with one query row at position n-1 hides nothing), in double. */
-static void naive(const float *q, const float *k, const float *v, int64_t cap, int64_t n, int h,
+static void naive(const float *q, const uint16_t *k, const uint16_t *v, int64_t cap, int64_t n, int h,
                   double scale, double *out, double *lse, double *s) {
     int hk = h / (HQ / HKV);
-    const float *kh = k + (int64_t)hk * cap * E, *vh = v + (int64_t)hk * cap * E;
+    const uint16_t *kh = k + (int64_t)hk * cap * E, *vh = v + (int64_t)hk * cap * E;
     double mx = -INFINITY, sum = 0;
     for (int64_t j = 0; j < n; j++) {
         double dot = 0;
-        for (int e = 0; e < E; e++) dot += (double)q[h * E + e] * kh[j * E + e];
+        for (int e = 0; e < E; e++) dot += (double)q[h * E + e] * fa_f16_to_f32(kh[j * E + e]);
         s[j] = dot * scale;
         if (s[j] > mx) mx = s[j];
     }
@@ -53,7 +57,7 @@ static void naive(const float *q, const float *k, const float *v, int64_t cap, i
     for (int64_t j = 0; j < n; j++) {
         double p = exp(s[j] - mx);  /* stable: the row max subtracted */
         sum += p;
-        for (int e = 0; e < E; e++) out[e] += p * vh[j * E + e];
+        for (int e = 0; e < E; e++) out[e] += p * fa_f16_to_f32(vh[j * E + e]);
     }
     for (int e = 0; e < E; e++) out[e] /= sum;
     *lse = mx + log(sum);
@@ -66,15 +70,16 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: %s [steps >= 1 [threads >= 0]]\n", argv[0]);
         return 2;
     }
-    float *k = calloc((size_t)(HKV * cap * E), sizeof *k);  /* (1, HKV, cap, E) */
-    float *v = calloc((size_t)(HKV * cap * E), sizeof *v);
+    uint16_t *k = calloc((size_t)(HKV * cap * E), sizeof *k);  /* (1, HKV, cap, E), float16 */
+    uint16_t *v = calloc((size_t)(HKV * cap * E), sizeof *v);
     float q[HQ * E], out[HQ * E], lse[HQ];
     double *s = malloc((size_t)cap * sizeof *s), ref[E], ref_lse;
     if (!k || !v || !s) { fprintf(stderr, "out of memory\n"); return 2; }
 
     fa_args a;
     fa_args_init(&a);
-    a.dtype = FA_F32;
+    a.dtype = FA_F16;                          /* the cache's storage */
+    a.q_dtype = a.out_dtype = FA_F32;          /* queries and outputs stay float32 */
     a.B = 1; a.Hq = HQ; a.Hkv = HKV; a.L = 1; a.S = cap; a.E = E; a.Ev = E;
     a.q = q; a.k = k; a.v = v; a.out = out; a.lse = lse;
     /* Element strides for (batch, head, row); the last axis is contiguous. The whole
@@ -97,8 +102,8 @@ int main(int argc, char **argv) {
         /* Append this token's key and value for every KV head, in place. */
         for (int h = 0; h < HKV; h++)
             for (int e = 0; e < E; e++) {
-                k[(h * cap + t) * E + e] = uniform();
-                v[(h * cap + t) * E + e] = uniform();
+                k[(h * cap + t) * E + e] = fa_f32_to_f16(uniform());
+                v[(h * cap + t) * E + e] = fa_f32_to_f16(uniform());
             }
         kv_len = t + 1;
         for (int i = 0; i < HQ * E; i++) q[i] = uniform();
@@ -120,10 +125,10 @@ int main(int argc, char **argv) {
             if (!(err <= worst_lse)) worst_lse = err;
         }
     }
-    /* float32 inputs accumulate in float32: outputs in [-1, 1] within ~1e-6, lse to a few ulp
+    /* The kernel accumulates in float32: outputs in [-1, 1] within ~1e-6, lse to a few ulp
      * of its magnitude (~log n); 1e-4 leaves room and still catches any wrong key or head. */
     int ok = worst <= 1e-4 && worst_lse <= 1e-4;
-    printf("decode: %lld steps, Hq %d / Hkv %d, E %d, isa %s, %d threads\n", (long long)cap, HQ, HKV,
+    printf("decode: %lld steps, float16 cache, Hq %d / Hkv %d, E %d, isa %s, %d threads\n", (long long)cap, HQ, HKV,
            E, fa_isa(), threads ? threads : fa_max_threads());
     printf("fa_attention: %.0f steps/s (cache length 1 to %lld, kernel time only)\n",
            cap / kernel_s, (long long)cap);

@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include "fastattn.h"
+#include "convert.h" /* src_c's exact float16/bfloat16 conversions, to build 16-bit inputs */
 
 enum { B = 2, HQ = 4, HKV = 2, L = 37, S = 70, E = 24, EV = 9 };
 
@@ -70,6 +71,9 @@ static void run_case(int dtype, int causal, int align, int64_t wl, int64_t wr) {
     static float qf[B * HQ * L * E], kf[B * HKV * S * E], vf[B * HKV * S * EV];
     static double out[B * HQ * L * EV], lse[B * HQ * L];
     static float outf[B * HQ * L * EV], lsef[B * HQ * L];
+    static uint16_t k16[B * HKV * S * E], v16[B * HKV * S * EV];
+    static int8_t k8[B * HKV * S * E], v8[B * HKV * S * EV];
+    static float ksc[B * HKV * S], vsc[B * HKV * S];
     static unsigned char mask[B * HQ * L * S];
     int64_t kv_len[B] = {S, S - 11};
     for (int i = 0; i < B * HQ * L * E; i++) qf[i] = (float)(q[i] = rnd());
@@ -80,15 +84,49 @@ static void run_case(int dtype, int causal, int align, int64_t wl, int64_t wr) {
     for (int i = 0; i < B * HQ * L * E; i++) q[i] = qf[i];
     for (int i = 0; i < B * HKV * S * E; i++) k[i] = kf[i];
     for (int i = 0; i < B * HKV * S * EV; i++) v[i] = vf[i];
+    /* 16-bit and int8 storage: K and V stored so, the reference reads the stored values exactly */
+    const int storage = dtype == FA_F16 || dtype == FA_BF16 || dtype == FA_I8;
+    if (dtype == FA_F16 || dtype == FA_BF16) {
+        for (int i = 0; i < B * HKV * S * E; i++) {
+            k16[i] = dtype == FA_F16 ? fa_f32_to_f16(kf[i]) : fa_f32_to_bf16(kf[i]);
+            k[i] = dtype == FA_F16 ? fa_f16_to_f32(k16[i]) : fa_bf16_to_f32(k16[i]);
+        }
+        for (int i = 0; i < B * HKV * S * EV; i++) {
+            v16[i] = dtype == FA_F16 ? fa_f32_to_f16(vf[i]) : fa_f32_to_bf16(vf[i]);
+            v[i] = dtype == FA_F16 ? fa_f16_to_f32(v16[i]) : fa_bf16_to_f32(v16[i]);
+        }
+    }
+    if (dtype == FA_I8) /* symmetric per row: scale = max|x| / 127 */
+        for (int row = 0; row < B * HKV * S; row++) {
+            float mk = 0, mv = 0;
+            for (int e = 0; e < E; e++) mk = fmaxf(mk, fabsf(kf[row * E + e]));
+            for (int e = 0; e < EV; e++) mv = fmaxf(mv, fabsf(vf[row * EV + e]));
+            ksc[row] = mk / 127; vsc[row] = mv / 127;
+            for (int e = 0; e < E; e++) {
+                k8[row * E + e] = (int8_t)lrintf(kf[row * E + e] / ksc[row]);
+                k[row * E + e] = (double)k8[row * E + e] * ksc[row];
+            }
+            for (int e = 0; e < EV; e++) {
+                v8[row * EV + e] = (int8_t)lrintf(vf[row * EV + e] / vsc[row]);
+                v[row * EV + e] = (double)v8[row * EV + e] * vsc[row];
+            }
+        }
 
     fa_args a;
     fa_args_init(&a);
     a.dtype = dtype;
     a.B = B; a.Hq = HQ; a.Hkv = HKV; a.L = L; a.S = S; a.E = E; a.Ev = EV;
-    int f32 = dtype == FA_F32;
+    int f32 = dtype != FA_F64;
     a.q = f32 ? (void *)qf : (void *)q;
     a.k = f32 ? (void *)kf : (void *)k;
     a.v = f32 ? (void *)vf : (void *)v;
+    if (dtype == FA_F16 || dtype == FA_BF16) { a.k = k16; a.v = v16; }
+    if (dtype == FA_I8) {
+        a.k = k8; a.v = v8; a.k_scale = ksc; a.v_scale = vsc;
+        int64_t ss[3] = {HKV * S, S, 1};
+        for (int d = 0; d < 3; d++) { a.k_scale_stride[d] = ss[d]; a.v_scale_stride[d] = ss[d]; }
+    }
+    if (storage) { a.q_dtype = FA_F32; a.out_dtype = FA_F32; }
     a.out = f32 ? (void *)outf : (void *)out;
     a.lse = f32 ? (void *)lsef : (void *)lse;
     int64_t qs[3] = {HQ * L * E, L * E, E}, ks[3] = {HKV * S * E, S * E, E};
@@ -128,8 +166,9 @@ static void run_case(int dtype, int causal, int align, int64_t wl, int64_t wr) {
                 else if (!(fabs(got_lse - ref_lse) <= worst)) worst = fmax(worst, fabs(got_lse - ref_lse));
             }
     char what[160];
+    static const char *names[] = {"", "f32", "f64", "f16", "bf16", "i8"};
     snprintf(what, sizeof what, "%s %s causal=%d align=%d window=(%lld,%lld) softcap=%g alibi=%d sinks=%d "
-             "positions=%d: max error %.3g", fa_isa(), f32 ? "f32" : "f64", causal, align, (long long)wl,
+             "positions=%d: max error %.3g", fa_isa(), names[dtype], causal, align, (long long)wl,
              (long long)wr, mods.softcap, !!mods.slopes, !!mods.sinks, !!mods.q_start, worst);
     check(worst < (f32 ? 2e-5 : 1e-12), what);
 }
@@ -158,6 +197,10 @@ int main(void) {
             mods.softcap = 0.4; mods.slopes = slopes; mods.sinks = sinks;
             run_case(dt, 1, FA_ALIGN_BOTTOM_RIGHT, -1, -1);
             mods.softcap = 0; mods.slopes = NULL; mods.sinks = NULL; mods.q_start = mods.k_start = NULL;
+        }
+        for (int dt = FA_F16; dt <= FA_I8; dt++) { /* 16-bit and int8 K/V, float32 q and out */
+            run_case(dt, 0, FA_ALIGN_BOTTOM_RIGHT, -1, -1);
+            run_case(dt, 1, FA_ALIGN_TOP_LEFT, 5, -1);
         }
         printf("%s: checked\n", isas[n]);
     }
