@@ -28,6 +28,14 @@ typedef T FN(kv_t);
 #endif
 #define KV FN(kv_t)
 
+/* Compute-only code (the lane layout's tiles, softmax, packing, store)
+ * depends on T alone: a converting storage calls the float32 set's. */
+#if FA_CONVERTS
+#define CN(x) FA_CAT(x, _f32)
+#else
+#define CN(x) FN(x)
+#endif
+
 /* One element. */
 static inline T FN(kv_at)(const KV *p) {
 #if defined(FA_KV_F16)
@@ -314,3 +322,4 @@ static const fa_kernel FN(kernel) = {
 #undef FA_WPP
 #undef KV
 #undef FA_CONVERTS
+#undef CN

@@ -25,6 +25,11 @@ static size_t FN(lanes_scratch_bytes)(int64_t E, int64_t Ev) {
            FN(round_up)((size_t)Ev * lane_row) + 3 * FN(round_up)(lane_row) + kv;
 }
 
+/* From here to softmax_block, and lanes_pack_q, lanes_modify, lanes_store:
+ * compute-only code, which depends on T alone. A converting storage (16-bit,
+ * int8) calls the float32 instantiation's (CN), compiled once. */
+#if !FA_CONVERTS
+
 /* The register tile, the only place the FLOPs happen:
  *     c[r][·] = c[r][·]·c_scale[·] + Σ_k a[r·a_rs + k·a_ks] · b[k][·]
  * for MRC rows r and the first NVC vectors of lanes (c_scale NULL: c = Σ);
@@ -194,16 +199,19 @@ static void FN(softmax_block)(int nvc, VT *st, int64_t nb, VT *m, VT *l, VT *alp
     }
 }
 
+#endif /* !FA_CONVERTS: tiles and softmax */
 
 /* One thread's lane-layout scratch, carved from the buffer the driver gives;
  * kt, vt: a key block of K and V converted to T (16-bit and int8 storage). */
+#if !FA_CONVERTS
 typedef struct FN(lanes_bufs) {
     VT *qt, *st, *ot, *m, *l, *alpha;
     T *kt, *vt;
 } FN(lanes_bufs);
+#endif
 
-static FN(lanes_bufs) FN(lanes_carve)(void *scratch, int64_t E, int64_t Ev) {
-    FN(lanes_bufs) s;
+static CN(lanes_bufs) FN(lanes_carve)(void *scratch, int64_t E, int64_t Ev) {
+    CN(lanes_bufs) s;
     char *p = (char *)scratch;
     const size_t lane_row = (size_t)BQ * sizeof(T);
     s.qt = (VT *)p;     p += FN(round_up)((size_t)E * lane_row);
@@ -217,6 +225,7 @@ static FN(lanes_bufs) FN(lanes_carve)(void *scratch, int64_t E, int64_t Ev) {
     return s;
 }
 
+#if !FA_CONVERTS
 /* Packing: Qᵀ · scale into qt (E × BQ, row e of Qᵀ holding every
  * row's element e), padding lanes 0. Whole W×W blocks are transposed in
  * registers, the last E % W columns copied one by one. */
@@ -259,13 +268,15 @@ static __attribute__((noinline)) void FN(lanes_modify)(const fa_args *a, VT *st,
         for (int u = 0; u < nvc; u++) st[j * FA_NV + u] += ns[u] * FN(v_abs)(FN(v_splat)((T)j) - dd[u]);
 }
 
+#endif /* !FA_CONVERTS: packing, modifiers */
+
 /* The block loop: for each key block, scores, modifiers, masks, online softmax, P·V.
  * Leaves Oᵀ unnormalised in ot and each lane's (m, l). The first block
  * starts Oᵀ from 0 (its alpha is 0 anyway), so Oᵀ needs no clearing unless
  * no block is visited at all. */
 static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, const fa_rows *f, const int64_t *lo,
                              const int64_t *hi, const int64_t *m_row, const T *neg_slope, const int64_t *diag,
-                             int nvc, FN(lanes_bufs) s) {
+                             int nvc, CN(lanes_bufs) s) {
     const fa_args *a = p->a;
     const int64_t E = a->E, Ev = a->Ev, rows = it->rows;
     const KV *k = (const KV *)a->k + it->b * a->k_stride[0] + it->hk * a->k_stride[1];
@@ -301,19 +312,20 @@ static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, const fa_rows 
 #else
         const T *k_blk = k + j0 * k_rs, *v_blk = v + j0 * v_rs;
 #endif
-        FN(scores_tile)(nvc, s.st, k_blk, k_rs, s.qt, E, nb, v_blk, v_rs, Ev);
-        if (modify) FN(lanes_modify)(a, s.st, nvc, j0, nb, neg_slope, diag);
+        CN(scores_tile)(nvc, s.st, k_blk, k_rs, s.qt, E, nb, v_blk, v_rs, Ev);
+        if (modify) CN(lanes_modify)(a, s.st, nvc, j0, nb, neg_slope, diag);
         FN(mask_block)((T *)s.st, 1, BQ, a, f, lo, hi, m_row, rows, j0, nb);
-        FN(softmax_block)(nvc, s.st, nb, s.m, s.l, s.alpha);
-        FN(values_tile)(nvc, s.ot, v_blk, v_rs, s.st, Ev, nb, j0 == f->j_begin ? 0 : s.alpha);
+        CN(softmax_block)(nvc, s.st, nb, s.m, s.l, s.alpha);
+        CN(values_tile)(nvc, s.ot, v_blk, v_rs, s.st, Ev, nb, j0 == f->j_begin ? 0 : s.alpha);
     }
 #undef FA_ROW_SCALE
 }
 
+#if !FA_CONVERTS
 /* The store: out = Oᵀ · (1/l) lane-wise, transposed back into the caller's
  * rows (whole W×W blocks in registers), and each row's lse; sink: each
  * lane's sink logit, or NULL for none. */
-static void FN(lanes_store)(const fa_plan *p, const fa_item *it, const T *sink, int nvc, FN(lanes_bufs) s) {
+static void FN(lanes_store)(const fa_plan *p, const fa_item *it, const T *sink, int nvc, CN(lanes_bufs) s) {
     const fa_args *a = p->a;
     const int64_t Ev = a->Ev, rows = it->rows, ev_full = Ev / W * W;
     const T *m_s = (const T *)s.m, *l_s = (const T *)s.l, *ot_s = (const T *)s.ot;
@@ -345,18 +357,19 @@ static void FN(lanes_store)(const fa_plan *p, const fa_item *it, const T *sink, 
         if (lse) lse[lse_off[r]] = lse_r[r];
     }
 }
+#endif /* !FA_CONVERTS: the store */
 
 static void FN(lanes_item)(const fa_plan *p, const fa_item *it, void *scratch) {
-    const FN(lanes_bufs) s = FN(lanes_carve)(scratch, p->a->E, p->a->Ev);
+    const CN(lanes_bufs) s = FN(lanes_carve)(scratch, p->a->E, p->a->Ev);
     int64_t lo[BQ], hi[BQ], q_row[BQ], m_row[BQ];
     const fa_rows f = fa_item_rows(p, it, lo, hi, q_row, m_row);
     const int nvc = (int)((it->rows + W - 1) / W); /* vectors of lanes in use */
     T neg_slope[BQ], sink[BQ];
     int64_t diag[BQ];
     if (p->a->alibi_slopes || p->a->sinks) FN(item_mods)(p, it, nvc * W, neg_slope, diag, sink);
-    FN(lanes_pack_q)(p, q_row, it->rows, nvc, s.qt);
+    CN(lanes_pack_q)(p, q_row, it->rows, nvc, s.qt);
     FN(lanes_blocks)(p, it, &f, lo, hi, m_row, neg_slope, diag, nvc, s);
-    FN(lanes_store)(p, it, p->a->sinks && !it->partial ? sink : NULL, nvc, s);
+    CN(lanes_store)(p, it, p->a->sinks && !it->partial ? sink : NULL, nvc, s);
 }
 
 #undef TILE

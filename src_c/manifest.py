@@ -11,6 +11,7 @@ loaded by file path. Paths are relative to the repository root: run it there.
     python3 src_c/manifest.py flags | sources [--target x86_64|aarch64]
 """
 import argparse
+import concurrent.futures
 import os
 import platform
 import shlex
@@ -111,10 +112,13 @@ def build_lib(cc="cc", out=OUT, extra=(), target=None, program=None):
         print(shlex.join(cmd), flush=True)
         subprocess.run(cmd, check=True)
 
-    objects = []
-    for path, own in steps(target):
-        objects.append(_object(out, path))
-        run([cc, *cflags(target, extra), *own, "-c", path, "-o", objects[-1]])
+    # One compiler per file, as many at once as there are processors: the
+    # per-ISA kernels take most of the time and build independently.
+    commands = [[cc, *cflags(target, extra), *own, "-c", path, "-o", _object(out, path)]
+                for path, own in steps(target)]
+    objects = [c[-1] for c in commands]
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        list(pool.map(run, commands))
     lib = os.path.join(out, LIB)
     if os.path.exists(lib):
         os.remove(lib)  # `ar r` adds to an archive: a member from an older build would stay
