@@ -105,8 +105,8 @@ class Model:
         self.norm = np.ones(d_model, np.float32)
         self.head = (rng.standard_normal((d_model, vocab)) / np.sqrt(d_model)).astype(np.float32)
 
-    def new_caches(self, batch, capacity):
-        return [b.attn.new_cache(batch, capacity) for b in self.blocks]
+    def new_caches(self, batch, capacity, dtype=None):
+        return [b.attn.new_cache(batch, capacity, dtype=dtype) for b in self.blocks]
 
     def logits(self, tokens, caches, run):
         """Next-token logits after feeding tokens (B, T) at the caches' current position."""
@@ -129,12 +129,12 @@ class Run(NamedTuple):
                          + [f"num_threads={self.threads}"] * (self.threads is not None))
 
 
-def generate(model, prompt, n_tokens, run):
+def generate(model, prompt, n_tokens, run, cache_dtype=None):
     """Greedy decoding: returns the tokens, the prefill time and the decode time."""
     # (b): OpenBLAS limited to one thread around the matmuls, so no BLAS
     # thread is left spinning on the core fastattn's worker wants.
     with threadpool_limits(1, "blas") if run.blas_one_thread else contextlib.nullcontext():
-        caches = model.new_caches(prompt.shape[0], prompt.shape[1] + n_tokens)
+        caches = model.new_caches(prompt.shape[0], prompt.shape[1] + n_tokens, cache_dtype)
         t0 = time.perf_counter()
         token = model.logits(prompt, caches, run).argmax(-1)[:, None]
         t1 = time.perf_counter()
@@ -162,6 +162,9 @@ def main(argv=None):
     p.add_argument("--vocab", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="runs per setting; medians are printed")
     p.add_argument("--seed", type=int, default=0, help="weights and prompt")
+    p.add_argument("--cache-dtypes", default="",
+                   help="also generate with fastattn over caches stored in these dtypes (comma-separated: "
+                        "float16, bfloat16, int8) and say where their tokens part from float32's")
     a = p.parse_args(argv)
     if a.tokens < 2 or a.prompt < 1 or a.repeats < 1:
         p.error("--tokens must be >= 2, --prompt and --repeats >= 1")
@@ -214,6 +217,14 @@ def main(argv=None):
 
     first = tokens[runs[0]]
     print(f"\ntokens ({runs[0]}): {' '.join(map(str, first[0]))}")
+    for dt in filter(None, a.cache_dtypes.split(",")):
+        # The same greedy decoding over a 16-bit or int8 cache: keys and
+        # values rounded (or quantised) once as they are appended.
+        t, _, decode = generate(model, prompt, a.tokens, Run("fastattn"), cache_dtype=dt)
+        agree = int(np.argmin(np.all(t == first, axis=0))) if not np.array_equal(t, first) else a.tokens
+        print(f"{dt} cache: the first {agree} of {a.tokens} tokens are float32's"
+              + ("" if agree == a.tokens else f" (part at token {agree})")
+              + f"; decode {a.batch * (a.tokens - 1) / decode:.1f} tok/s")
     same = all(np.array_equal(first, t) for t in tokens.values())
     if len(modes) > 1:
         print(f"same tokens with fastattn and numpy: {'yes' if same else 'NO'}")
