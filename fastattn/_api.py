@@ -175,15 +175,19 @@ def _check_window(window):
     return left, right
 
 
-def _check_kv_lengths(kv_lengths, batch, S):
-    lens = np.asarray(kv_lengths)
-    if lens.dtype.kind not in "iu":
-        raise TypeError(f"kv_lengths must be integers; got {lens.dtype}")
+def _batch_ints(x, name, batch, what="integers"):
+    """Integers, one per batch entry: x broadcast to the batch shape."""
+    a = np.asarray(x)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be {what}; got {a.dtype}")
     try:
-        lens = np.broadcast_to(lens, batch)
+        return np.broadcast_to(a, batch)
     except ValueError:
-        raise ValueError(
-            f"kv_lengths of shape {_shape(lens)} does not broadcast to the batch shape {batch}") from None
+        raise ValueError(f"{name} of shape {_shape(a)} does not broadcast to the batch shape {batch}") from None
+
+
+def _check_kv_lengths(kv_lengths, batch, S):
+    lens = _batch_ints(kv_lengths, "kv_lengths", batch)
     if lens.size and (lens.min() < 0 or lens.max() > S):
         raise ValueError(
             f"kv_lengths must lie in [0, S={S}]; got values from {lens.min()} to {lens.max()}")
@@ -263,13 +267,7 @@ def _check_start(start, name, batch):
     if isinstance(start, numbers.Integral) and not isinstance(start, (bool, np.bool_)) and (
             abs(int(start)) > _POSITION_LIMIT):  # also Python ints past int64
         raise ValueError(f"{name} must lie within +-2**60; got {int(start)}")
-    a = np.asarray(start)
-    if a.dtype.kind not in "iu":
-        raise TypeError(f"{name} must be an int or integers (one per batch entry); got dtype {a.dtype}")
-    try:
-        a = np.broadcast_to(a, batch)
-    except ValueError:
-        raise ValueError(f"{name} of shape {_shape(a)} does not broadcast to the batch shape {batch}") from None
+    a = _batch_ints(start, name, batch, "an int or integers (one per batch entry)")
     if a.size and (int(a.max()) > _POSITION_LIMIT or int(a.min()) < -_POSITION_LIMIT):
         raise ValueError(f"{name} must lie within +-2**60; got values from {a.min()} to {a.max()}")
     return a.astype(np.int64)
