@@ -144,6 +144,21 @@ def _shapes(text):
     return list(dict.fromkeys(picked))
 
 
+def _dtypes(text):
+    """Storage dtype names (fastattn.bench.dtypes), in order, each once."""
+    from fastattn.bench.dtypes import STORAGES
+    names = list(dict.fromkeys(_names(text)))
+    unknown = [n for n in names if n not in STORAGES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown dtype(s) {', '.join(unknown) or repr(text)}; known: {', '.join(STORAGES)}")
+    missing = [n for n in names if not STORAGES[n].available()]
+    if missing:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(missing)} needs ml_dtypes (pip install ml_dtypes)")
+    return names
+
+
 def cmd_bench(args):
     from fastattn import bench
     return bench.main(args)
@@ -184,7 +199,13 @@ def parser(bench=None):
                    help="shape or group names, comma-separated (default all); groups: "
                         + ", ".join(shapes.SHAPE_GROUPS) + "; shapes: " + ", ".join(
                        f"{s.name} ({s.label})" for s in shapes.SHAPES_BY_NAME.values()))
-    b.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    b.add_argument("--dtype", type=_dtypes, default=["float32"], metavar="LIST",
+                   help="storage dtypes, comma-separated (default float32): float32, float64; "
+                        "float16, bfloat16 (q, k, v and out stored so, computed in float32; "
+                        "bfloat16 needs ml_dtypes); int8 (an int8 KV cache: float32 q and "
+                        "out, K/V int8 with a float32 scale per row; decode shapes only). "
+                        "16-bit and int8 rows next to float32 ones get a table of their "
+                        "speed-up over float32")
     b.add_argument("--repeat", type=int, default=10, metavar="N",
                    help="at least N timing samples per library and shape (default 10)")
     b.add_argument("--min-time", type=float, default=0.5, metavar="SECONDS",

@@ -4,7 +4,9 @@ The pytest-benchmark suite runs once with --benchmark-disable so it cannot rot;
 each installed peer adapter matches the reference, with each score modifier it
 runs too; a peer that fails its check or raises is reported and not timed (a
 dropped modifier included); the shape table's FLOP counts are right; modifier
-rows get their cost over the plain call of the same run.
+rows get their cost over the plain call of the same run; 16-bit and int8 rows
+(--dtype) are checked, count the bytes they store and get their speed-up over
+the float32 row of the same run.
 """
 import io
 import pathlib
@@ -14,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from fastattn.bench import block, checks, peers, plot, report, run, shapes, timing
+from fastattn.bench import block, checks, dtypes, peers, plot, report, run, shapes, timing
 from fastattn.bench.shapes import BLOCK_SHAPES, SHAPE_GROUPS, SHAPES, SHAPES_BY_NAME, Shape
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -123,10 +125,11 @@ def test_plot(tmp_path):
     shapes = [SHAPES_BY_NAME["tiny"]]
     results = [run.Result("tiny", "1×8×10×10×64", 1, "fastattn", "ok", median_s=1e-5,
                              gflops=1.0, peak_share=0.01)]
-    assert plot.plot(tmp_path / "bench.png", {1: 100.0}, results, shapes, ["fastattn", "numpy"])
+    peaks = {1: {"float32": 100.0}}
+    assert plot.plot(tmp_path / "bench.png", peaks, results, shapes, ["fastattn", "numpy"])
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
     # block rows are not attention shapes: alone, they draw nothing
-    assert not plot.plot(tmp_path / "none.png", {1: 100.0}, [], BLOCK_SHAPES, ["fastattn"])
+    assert not plot.plot(tmp_path / "none.png", peaks, [], BLOCK_SHAPES, ["fastattn"])
     assert not (tmp_path / "none.png").exists()
 
 
@@ -448,3 +451,174 @@ def test_bench_command_times_a_modifier_row_against_its_plain_shape(monkeypatch,
     cost = out[out.index("Score modifiers:"):]
     row = next(line for line in cost.splitlines() if line.startswith("| dec8k_gqa_sinks:"))
     assert [c.strip()[-1] for c in row.strip("|").split("|")[1:]] == ["×", "×"]
+
+
+# --------------------------------------------------------------------------
+# Storage dtypes (--dtype): float16, bfloat16, int8 K/V
+# --------------------------------------------------------------------------
+
+def _needs(name):
+    if not dtypes.STORAGES[name].available():
+        pytest.skip(f"{name} needs ml_dtypes")
+
+
+SMALL_DTYPE_SHAPES = [Shape("df", 1, 4, 2, 40, 40, 32, causal=True),     # causal prefill, GQA
+                      Shape("dd", 1, 8, 2, 1, 300, 64, kind="decode")]   # GQA decode
+
+
+def _fast_run(monkeypatch, shapes_, libs, names, threads=(1,)):
+    monkeypatch.setattr(timing, "PEAK_N", 128)
+    monkeypatch.setattr(timing, "PAUSE_S", 0)
+    monkeypatch.setattr(timing, "BANDWIDTH_BYTES", 2**22)
+    progress = run.Progress(1, stream=io.StringIO())
+    return run.run(shapes_, libs, list(threads), names, repeat=2, min_time=0, progress=progress)
+
+
+def test_storage_inputs_and_stored_bytes():
+    dec = SHAPES_BY_NAME["dec8k_gqa"]
+    B, Hkv, S, E = dec.B, dec.Hkv, dec.S, dec.E
+    assert dtypes.STORAGES["float32"].kv_bytes(dec) == dec.kv_bytes() == 2 * B * Hkv * S * E * 4
+    assert dtypes.STORAGES["float16"].kv_bytes(dec) == 2 * B * Hkv * S * E * 2
+    # int8: one byte a value plus a float32 scale per (batch, head, token) row, for K and for V
+    assert dtypes.STORAGES["int8"].kv_bytes(dec) == 2 * B * Hkv * S * E + 2 * B * Hkv * S * 4
+    small = SMALL_DTYPE_SHAPES[1]
+    q, (k8, ks), (v8, vs) = dtypes.STORAGES["int8"].inputs(small)
+    q32, k32, v32 = small.inputs(np.float32)
+    assert q.dtype == np.float32 and np.array_equal(q, q32)
+    assert k8.dtype == np.int8 and ks.dtype == np.float32 and ks.shape == k8.shape[:-1]
+    assert k8.nbytes + ks.nbytes + v8.nbytes + vs.nbytes == dtypes.STORAGES["int8"].kv_bytes(small)
+    # the same draws, quantized: within half a step of each row's scale
+    assert np.all(np.abs(dtypes.as_float64((k8, ks)) - k32) <= 0.5001 * ks[..., None])
+    q16, k16, v16 = dtypes.STORAGES["float16"].inputs(small)
+    assert q16.dtype == k16.dtype == v16.dtype == np.float16
+    np.testing.assert_array_equal(k16, k32.astype(np.float16))
+    assert dtypes.storage(np.float32) is dtypes.STORAGES["float32"]
+    assert dtypes.STORAGES["int8"].kinds == ("decode",)
+
+
+@pytest.mark.parametrize("name", ["float16", "bfloat16"])
+def test_16_bit_run_produces_checked_rows(monkeypatch, name):
+    _needs(name)
+    libs = ["fastattn", "numpy"]
+    peaks, results, bw = _fast_run(monkeypatch, SMALL_DTYPE_SHAPES, libs, ["float32", name])
+    assert set(peaks[1]) == {"float32"}  # 16-bit rows compute in float32: one peak
+    by_key = {(r.shape, r.library, r.dtype): r for r in results}
+    assert len(by_key) == len(results) == 2 * 2 * 2
+    for s in SMALL_DTYPE_SHAPES:
+        for lib in libs:
+            r = by_key[(s.name, lib, name)]
+            assert r.status == "ok", r.detail
+            assert r.max_error <= r.tolerance and r.tolerance > 0
+            assert r.speedup_over_float32 == pytest.approx(
+                by_key[(s.name, lib, "float32")].median_s / r.median_s)
+            if s.decode:
+                assert r.kv_bytes == 2 * s.B * s.Hkv * s.S * s.E * 2  # 2 bytes an element
+                assert r.gbps == pytest.approx(r.kv_bytes / r.median_s / 1e9)
+            else:
+                assert r.gbps is None and r.gflops == pytest.approx(s.flops / r.median_s / 1e9)
+    # the 16-bit check is looser than float32's by half an ulp of the output
+    f32 = checks.reference_for(SMALL_DTYPE_SHAPES[0], *SMALL_DTYPE_SHAPES[0].inputs())
+    assert by_key[("df", "fastattn", name)].tolerance > f32.tolerance
+    table = report.markdown(peaks, results, SMALL_DTYPE_SHAPES, libs, bw)
+    assert f"#### {name}, 1 thread" in table and "#### float32, 1 thread" in table
+    assert "2·B·Hkv·S·E·2 in " + name in table
+    cmp = table[table.index("Storage dtypes against float32"):]
+    row = next(line for line in cmp.splitlines() if line.startswith("| dd: "))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == name and cells[3][-1] in "✓✗" and "GB/s" in cells[4]
+    assert cells[5].startswith("NumPy ")
+
+
+def test_int8_rows_run_on_decode_shapes_only(monkeypatch):
+    libs = ["fastattn", "numpy"] + [n for n in ("torch", "ort_gqa") if peers.LIBRARIES[n].installed()]
+    peaks, results, bw = _fast_run(monkeypatch, SMALL_DTYPE_SHAPES, libs, ["float32", "int8"])
+    int8 = [r for r in results if r.dtype == "int8"]
+    assert {(r.shape, r.library) for r in int8} == {("dd", "fastattn"), ("dd", "numpy")}
+    dd = SMALL_DTYPE_SHAPES[1]
+    stored = 2 * dd.B * dd.Hkv * dd.S * dd.E * 1 + 2 * dd.B * dd.Hkv * dd.S * 4
+    for r in int8:
+        assert r.status == "ok" and r.max_error <= r.tolerance, r.detail
+        assert r.kv_bytes == stored
+        assert r.gbps == pytest.approx(stored / r.median_s / 1e9)
+        assert r.bandwidth_share == pytest.approx(r.gbps / bw[1])
+    table = report.markdown(peaks, results, SMALL_DTYPE_SHAPES, libs, bw)
+    section = table[table.index("#### int8"):table.index("Storage dtypes against")]
+    assert "| df: " not in section  # no full shapes in int8
+    assert "int8 values and their float32 scales" in section
+    if len(libs) > 2:  # peers without int8 K/V: n/a
+        row = next(line for line in section.splitlines() if line.startswith("| dd: "))
+        assert row.rstrip(" |").endswith("n/a")
+
+
+@pytest.mark.parametrize("name", ["float16", "bfloat16"])
+def test_a_wrong_16_bit_result_fails_the_check(monkeypatch, name):
+    """fastattn's adapter planted to return its output off by 2 ulp (relative
+    2·eps, 4 half ulps): the 16-bit check must catch it, its float32 row not."""
+    _needs(name)
+    real = peers.FastAttn.prepare
+
+    def off(self, q, k, v, causal, threads, **mods):
+        call = real(self, q, k, v, causal, threads, **mods)
+        if q.dtype == np.float32:
+            return call
+        bump = 1 + 4 * dtypes.STORAGES[name].half_ulp
+        return lambda: (call().astype(np.float32) * bump).astype(q.dtype)
+
+    monkeypatch.setattr(peers.FastAttn, "prepare", off)
+    peaks, results, bw = _fast_run(monkeypatch, SMALL_DTYPE_SHAPES, ["fastattn", "numpy"],
+                                   ["float32", name])
+    by_key = {(r.shape, r.library, r.dtype): r for r in results}
+    for s in SMALL_DTYPE_SHAPES:
+        assert by_key[(s.name, "fastattn", "float32")].status == "ok"
+        assert by_key[(s.name, "numpy", name)].status == "ok"
+        wrong = by_key[(s.name, "fastattn", name)]
+        assert wrong.status == "failed check" and wrong.median_s is None, wrong
+        assert wrong.speedup_over_float32 is None
+    table = report.markdown(peaks, results, SMALL_DTYPE_SHAPES, ["fastattn", "numpy"], bw)
+    assert "✗ check" in table[table.index("Storage dtypes against"):]
+    assert f"- dd, {name}, 1 thread, fastattn: failed check" in table
+
+
+def _peer_dtype_cases():
+    for name, lib in peers.LIBRARIES.items():
+        for dt in lib.dtypes:
+            if dt in ("float16", "bfloat16") and name not in ("fastattn", "numpy"):
+                yield pytest.param(name, dt, id=f"{name}-{dt}")
+
+
+@pytest.mark.parametrize("name, dt", list(_peer_dtype_cases()))
+def test_peer_in_16_bit_matches_reference(name, dt):
+    """Each installed peer's 16-bit adapter against the reference on the same
+    rounded inputs, the bench's 16-bit tolerance: causal GQA prefill (L == S)
+    where it runs full shapes, a GQA decode row otherwise."""
+    _needs(dt)
+    lib = peers.LIBRARIES[name]
+    if not lib.installed():
+        pytest.skip(f"{name} not installed")
+    shape = Shape("small", 2, 4, 2, 33, 33, 16, causal=True)
+    if lib.kinds is not None and "full" not in lib.kinds:
+        shape = Shape("g1", 2, 8, 2, 1, 257, 32, kind="decode")
+    q, k, v = dtypes.STORAGES[dt].inputs(shape)
+    ref = checks.reference_for(shape, q, k, v)
+    out = np.asarray(lib.prepare(q, k, v, shape.causal, 1)())
+    assert out.shape == q.shape[:-1] + (v.shape[-1],) and out.dtype == q.dtype
+    assert checks.max_error(out, ref) <= ref.tolerance
+
+
+def test_bench_command_runs_16_bit_and_int8(monkeypatch, capsys):
+    from fastattn import __main__ as cli
+    _needs("float16")
+    monkeypatch.setattr(timing, "PEAK_N", 128)
+    monkeypatch.setattr(timing, "PAUSE_S", 0)
+    monkeypatch.setattr(timing, "BANDWIDTH_BYTES", 2**22)
+    monkeypatch.setitem(SHAPES_BY_NAME, "dd", SMALL_DTYPE_SHAPES[1])
+    assert cli.main(["bench", "--shapes", "tiny,dd", "--peers", "numpy", "--threads", "1",
+                     "--dtype", "float32,float16,int8", "--repeat", "2", "--min-time", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "dtypes float32, float16, int8" in out
+    for heading in ("#### float32, 1 thread", "#### float16, 1 thread", "#### int8, 1 thread"):
+        assert heading in out
+    cmp = out[out.index("Storage dtypes against float32, 1 thread"):]
+    rows = [line.split("|")[2].strip() for line in cmp.splitlines() if line.startswith("| dd: ")]
+    assert rows == ["float16", "int8"]
+    assert "Not timed" not in out

@@ -2,12 +2,14 @@
 (never the repository root, whose source folder would shadow the build).
 Checks what is printed and the exit status, not how fast anything is.
 """
+import argparse
 import json
 import re
 import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import fastattn
 from fastattn import __main__ as cli
@@ -79,6 +81,25 @@ def test_bench_rejects_bad_options(tmp_path):
     assert "decode" in p.stderr  # the groups are listed
     p = run_cli(tmp_path, "bench", "--threads", "0")
     assert p.returncode == 2 and "--threads" in p.stderr
+    p = run_cli(tmp_path, "bench", "--dtype", "float16,float8")
+    assert p.returncode == 2 and "unknown dtype(s) float8" in p.stderr
+    assert "bfloat16" in p.stderr and "int8" in p.stderr  # the known ones are listed
+
+
+def test_dtype_option_parses(monkeypatch):
+    from fastattn import bench
+    from fastattn.bench import dtypes
+    assert cli._dtypes("float16, bfloat16,float16") == ["float16", "bfloat16"]
+    assert cli._dtypes("float32,float64,int8") == ["float32", "float64", "int8"]
+    assert cli.parser(bench).parse_args(["bench"]).dtype == ["float32"]  # the default
+    assert cli.parser(bench).parse_args(["bench", "--dtype", "int8,float16"]).dtype == ["int8", "float16"]
+    for bad in ("", "float8", "float16,half"):
+        with pytest.raises(argparse.ArgumentTypeError, match="unknown dtype"):
+            cli._dtypes(bad)
+    monkeypatch.setattr(dtypes, "bfloat16", lambda: None)  # as without ml_dtypes
+    with pytest.raises(argparse.ArgumentTypeError, match="bfloat16 needs ml_dtypes"):
+        cli._dtypes("float16,bfloat16")
+    assert cli._dtypes("float16") == ["float16"]
 
 
 def test_failed_check_exits_1(monkeypatch, capsys):

@@ -3,7 +3,7 @@
 `python -m fastattn` imports this package only to time something: `main` is
 the `bench` command, `time_against_numpy` the default run's one timing. The
 core package never imports it; it imports the core. Its modules: shapes,
-timing, checks, peers, block, run, header, report, plot.
+dtypes, timing, checks, peers, block, run, header, report, plot.
 """
 import importlib.util
 import sys
@@ -59,9 +59,9 @@ def main(args):
     head = header.header(requested, status, threads, args.dtype)
     print("\n".join(header.format_header(head)), flush=True)
     peaks, results, bandwidths = run.run(args.shapes, libraries, threads,
-                                         np.dtype(args.dtype), args.repeat, args.min_time)
+                                         args.dtype, args.repeat, args.min_time)
     print()
-    print(report.markdown(peaks, results, args.shapes, libraries, bandwidths))
+    print(report.markdown(peaks, results, args.shapes, libraries, bandwidths, args.dtype))
     busy = header.cpu_busy()
     if busy is not None:
         print(f"CPUs busy with other processes just after the run: {100 * busy:.0f} %")

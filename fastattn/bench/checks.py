@@ -1,12 +1,14 @@
 """Checking a library's output against fastattn.reference before it is timed:
 the float64 expected rows of a shape or a block step, the tolerance (the test
-suite's float32 rule) and the error measure. Nothing here times or prints.
+suite's float32 rule, plus half an ulp of a 16-bit output) and the error
+measure. Nothing here times or prints.
 """
 import dataclasses
 
 import numpy as np
 
 from fastattn import reference
+from fastattn.bench.dtypes import as_float64, storage
 
 CHECK_ELEMENTS = 2**21  # the reference materialises (B, Hq, rows, S) several times
 
@@ -34,16 +36,23 @@ def tolerance(textbook_error, vmax):
 def reference_for(shape, q, k, v):
     """The last rows only: with causal=True (bottom-right alignment) the last r
     rows against all keys are exactly those rows of the full problem (ALiBi's
-    diagonal is bottom-right too). With the shape's score modifier, if any."""
+    diagonal is bottom-right too). With the shape's score modifier, if any.
+
+    16-bit and int8 inputs are checked on float64 copies of what is stored
+    (the same rounded or quantized values every library gets), with the rule
+    above plus half an ulp of the output dtype at max|out|: a 16-bit output is
+    a float32 result rounded once."""
     rows = check_rows(shape)
     qs = q[..., q.shape[-2] - rows:, :]
     mods = shape.modifier_args()
-    expected = reference.attention(qs, k, v, causal=shape.causal, **mods)
     if q.dtype == np.float64:
-        tol = 1e-12 * max(float(np.abs(v).max()), 1.0)
-    else:
-        textbook = reference.attention(qs, k, v, causal=shape.causal, dtype=q.dtype, **mods)
-        tol = tolerance(float(np.abs(textbook - expected).max()), float(np.abs(v).max()))
+        expected = reference.attention(qs, k, v, causal=shape.causal, **mods)
+        return Reference(rows, expected, 1e-12 * max(float(np.abs(v).max()), 1.0))
+    q64, k64, v64 = (as_float64(x) for x in (qs, k, v))
+    expected = reference.attention(q64, k64, v64, causal=shape.causal, **mods)
+    textbook = reference.attention(q64, k64, v64, causal=shape.causal, dtype=np.float32, **mods)
+    tol = tolerance(float(np.abs(textbook - expected).max()), float(np.abs(v64).max()))
+    tol += storage(q.dtype).half_ulp * float(np.abs(expected).max())
     return Reference(rows, expected, tol)
 
 

@@ -11,6 +11,7 @@ import numpy as np
 
 import fastattn
 from fastattn._info import cpu_model
+from fastattn.bench.dtypes import storage
 from fastattn.bench.peers import LIBRARIES
 
 BUSY = 0.10             # other processes' CPU share above which the header warns
@@ -28,8 +29,12 @@ def threadpools():
     return threadpool_info()
 
 
-def header(libraries, status, threads_list, dtype):
-    """Everything needed to read (and reproduce) the numbers, as a dict."""
+def header(libraries, status, threads_list, dtypes):
+    """Everything needed to read (and reproduce) the numbers, as a dict.
+    ``dtypes``: the --dtype names (or one name or NumPy dtype)."""
+    if isinstance(dtypes, (str, np.dtype, type)):
+        dtypes = [dtypes]
+    storages = [storage(d) for d in dtypes]
     info = fastattn.info()
     versions = {name: LIBRARIES[name].versions() for name in libraries
                 if name in LIBRARIES and status.get(name) == "ok"}
@@ -43,7 +48,8 @@ def header(libraries, status, threads_list, dtype):
         "cpus": os.cpu_count(),
         "platform": f"{platform.system()} {platform.machine()}, Python {platform.python_version()}",
         "threads": list(threads_list),
-        "dtype": np.dtype(dtype).name,
+        "dtypes": [st.name for st in storages],
+        "dtype_notes": {st.name: st.about for st in storages if st.about},
         "versions": versions,
         "libraries": status,
         "threadpools": threadpools(),
@@ -119,9 +125,11 @@ def format_header(h):
         f"fastattn {h['fastattn']}: ISA {h['isa']} (this CPU runs {', '.join(h['isas'])}), "
         f"OpenMP {openmp}, max threads {h['max_threads']}",
         f"CPU: {h['cpu']}, {h['cpus']} logical CPUs; {h['platform']}",
-        f"threads timed: {', '.join(map(str, h['threads']))}; dtype {h['dtype']}",
-        "versions: " + "; ".join(v for v in h["versions"].values() if v),
+        f"threads timed: {', '.join(map(str, h['threads']))}; "
+        f"dtype{'s' if len(h['dtypes']) > 1 else ''} {', '.join(h['dtypes'])}",
     ]
+    lines += [f"  {name}: {about}" for name, about in h["dtype_notes"].items()]
+    lines += ["versions: " + "; ".join(v for v in h["versions"].values() if v)]
     missing = {n: s for n, s in h["libraries"].items() if s != "ok"}
     lines += [f"skipped: {name}: {why}" for name, why in missing.items()]
     if h["threadpools"] is None:

@@ -5,8 +5,9 @@ and builds a ready-to-time callable for one problem: the model, session or
 tensors are made once, outside the timing loop, and the thread count is set
 there. A score modifier (softcap, ALiBi, sinks) is passed as fastattn's
 keyword; an adapter lists in ``modifiers`` those its library can express and
-refuses the others. It does no timing and no checking: fastattn.bench.run
-and .checks do.
+refuses the others, and in ``dtypes`` the storage dtypes (fastattn.bench.dtypes)
+it takes as they are stored: the others are n/a. It does no timing and no
+checking: fastattn.bench.run and .checks do.
 """
 import importlib
 import importlib.metadata
@@ -30,6 +31,7 @@ class Peer:
     dists = ()     # distributions whose versions the header prints
     kinds = None   # the Shape kinds it runs on ("full", "decode"); None: every shape
     modifiers = ()  # the score modifiers it runs ("softcap", "alibi", "sinks"); others are n/a
+    dtypes = ("float32", "float64")  # the --dtype storages it runs; others are n/a
 
     def installed(self):
         return importlib.util.find_spec(self.module) is not None
@@ -51,6 +53,10 @@ class Peer:
         """Whether it runs shapes with this modifier ("" = the plain call)."""
         return not modifier or modifier in self.modifiers
 
+    def has_dtype(self, name):
+        """Whether it takes inputs stored in this --dtype (a Storage name)."""
+        return name in self.dtypes
+
     def refuse_others(self, mods):
         """Raise for a modifier keyword this adapter does not apply: never time
         a call that silently leaves it out."""
@@ -67,6 +73,7 @@ class Peer:
 class FastAttn(Peer):
     name, title, module, dists = "fastattn", "fastattn", "fastattn", ("fastattn",)
     modifiers = tuple(MODIFIER_KEYWORDS)
+    dtypes = ("float32", "float64", "float16", "bfloat16", "int8")
 
     def prepare(self, q, k, v, causal, threads, **mods):
         from fastattn import attention
@@ -83,20 +90,36 @@ class NumPyTextbook(Peer):
     shape only, so it is built once (with the ALiBi bias in it, when asked).
     NumPy's BLAS threads are the caller's to set (threadpoolctl); ``threads``
     is not used here.
+
+    NumPy has no 16-bit or int8 matmul worth timing (float16 runs without
+    BLAS), so 16-bit inputs are converted to float32 each call and int8 K/V
+    pairs dequantized (values·scales) each call, as a NumPy user would; the
+    result goes back to q's dtype. The conversions are part of its cost.
     """
 
     name, title, module, dists = "numpy", "NumPy", "numpy", ("numpy",)
     modifiers = tuple(MODIFIER_KEYWORDS)
+    dtypes = ("float32", "float64", "float16", "bfloat16", "int8")
 
     def prepare(self, q, k, v, causal, threads, softcap=None, alibi_slopes=None, sinks=None):
-        L, S = q.shape[-2], k.shape[-2]
+        L, S = q.shape[-2], (k[0] if isinstance(k, tuple) else k).shape[-2]
+        compute = np.float64 if q.dtype == np.float64 else np.float32
         if alibi_slopes is not None:
-            mask = alibi_mask(alibi_slopes, L, S, causal, q.dtype)
+            mask = alibi_mask(alibi_slopes, L, S, causal, compute)
         else:
-            mask = causal_mask(L, S, q.dtype) if causal else None
+            mask = causal_mask(L, S, compute) if causal else None
         if sinks is not None:
-            sinks = np.asarray(sinks, q.dtype)[:, None, None]  # (Hq, 1, 1)
-        return lambda: textbook_attention(q, k, v, mask, softcap, sinks)
+            sinks = np.asarray(sinks, compute)[:, None, None]  # (Hq, 1, 1)
+        if q.dtype == compute and not isinstance(k, tuple) and k.dtype == compute:
+            return lambda: textbook_attention(q, k, v, mask, softcap, sinks)
+
+        def widened(x):  # float32 from 16 bits, or int8 values times their row scales
+            if isinstance(x, tuple):
+                return x[0].astype(np.float32) * x[1][..., None]
+            return x.astype(np.float32)
+
+        return lambda: textbook_attention(widened(q), widened(k), widened(v), mask, softcap,
+                                          sinks).astype(q.dtype)
 
 
 def causal_mask(L, S, dtype):
@@ -145,36 +168,57 @@ def textbook_attention(q, k, v, mask=None, softcap=None, sinks=None):
 
 class Torch(Peer):
     """``torch.nn.functional.scaled_dot_product_attention`` on tensors that share
-    the NumPy inputs' memory. ``is_causal`` is top-left; the bench shapes have
+    the NumPy inputs' memory (bfloat16 through an int16 view: torch.from_numpy
+    does not know ml_dtypes). ``is_causal`` is top-left; the bench shapes have
     L == S, where both alignments agree."""
 
     name, title, module, dists = "torch", "PyTorch", "torch", ("torch",)
     # SDPA has no softcap and no sinks; ALiBi goes in as an additive float
     # mask (the causal −inf folded in: SDPA takes attn_mask or is_causal)
     modifiers = ("alibi",)
+    dtypes = ("float32", "float64", "float16", "bfloat16")
 
     def prepare(self, q, k, v, causal, threads, **mods):
         self.refuse_others(mods)
         torch = self.load()
         torch.set_num_threads(threads)  # global in torch; set right before its own loop
-        tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+        bf16 = q.dtype.name == "bfloat16"
+
+        def tensor(x):
+            return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16) if bf16 else torch.from_numpy(x)
+
+        tq, tk, tv = (tensor(x) for x in (q, k, v))
         gqa = q.shape[-3] != k.shape[-3]
         sdpa = torch.nn.functional.scaled_dot_product_attention
+        # NumPy cannot take a bfloat16 tensor: the checker reads its bits, after the timed call
+        wrap = (lambda t: _TorchBfloat16(t, q.dtype)) if bf16 else (lambda t: t)
         if mods.get("alibi_slopes") is not None:
-            mask = torch.from_numpy(alibi_mask(mods["alibi_slopes"], q.shape[-2], k.shape[-2],
-                                               causal, q.dtype))
+            mask = tensor(alibi_mask(mods["alibi_slopes"], q.shape[-2], k.shape[-2], causal,
+                                     np.float64).astype(q.dtype))
 
             def call():
                 with torch.inference_mode():
-                    return sdpa(tq, tk, tv, attn_mask=mask, enable_gqa=gqa)
+                    return wrap(sdpa(tq, tk, tv, attn_mask=mask, enable_gqa=gqa))
 
             return call
 
         def call():
             with torch.inference_mode():
-                return sdpa(tq, tk, tv, is_causal=bool(causal), enable_gqa=gqa)
+                return wrap(sdpa(tq, tk, tv, is_causal=bool(causal), enable_gqa=gqa))
 
         return call
+
+
+class _TorchBfloat16:
+    """A bfloat16 tensor that np.asarray turns into an ml_dtypes array (no copy)."""
+
+    def __init__(self, t, dtype):
+        self.t, self.dtype = t, dtype
+
+    def __array__(self, dtype=None, copy=None):
+        import torch
+        a = self.t.contiguous().view(torch.int16).numpy().view(self.dtype)
+        return a if dtype is None else a.astype(dtype)
 
 
 class OnnxRuntime(Peer):
@@ -182,10 +226,13 @@ class OnnxRuntime(Peer):
     (B, H, L, E) inputs, GQA from K/V having fewer heads, ``is_causal`` top-left.
     Softcap is the operator's ``softcap`` attribute (opset 23; ONNX Runtime's
     CPU kernel applies it, 1.32 checked), ALiBi an additive float ``attn_mask``
-    input added after the cap, with ``is_causal`` still on. No sinks input."""
+    input added after the cap, with ``is_causal`` still on. No sinks input.
+    float16 runs (ONNX Runtime 1.32's CPU kernel); bfloat16 does not (no CPU
+    kernel for the graph's Expand in bfloat16)."""
 
     name, title, module, dists = "onnxruntime", "ONNX Runtime", "onnxruntime", ("onnxruntime", "onnx")
     modifiers = ("softcap", "alibi")
+    dtypes = ("float32", "float64", "float16")
 
     def installed(self):
         return super().installed() and importlib.util.find_spec("onnx") is not None
@@ -233,12 +280,14 @@ class OrtGroupQueryAttention(OnnxRuntime):
 
     Modifiers: its ``softcap`` attribute, its ``head_sink`` input (one logit
     per query head in the softmax denominator: sinks) and ALiBi as its
-    additive ``attention_bias`` input (B or 1, Hq, L, S)."""
+    additive ``attention_bias`` input (B or 1, Hq, L, S). float32 and float16
+    (every tensor in it, the cache included)."""
 
     name, title = "ort_gqa", "ORT GroupQueryAttention"
     dists = ("onnxruntime",)
     kinds = ("decode",)
     modifiers = ("softcap", "alibi", "sinks")
+    dtypes = ("float32", "float16")
 
     def prepare(self, q, k, v, causal, threads, **mods):
         self.refuse_others(mods)
@@ -249,17 +298,17 @@ class OrtGroupQueryAttention(OnnxRuntime):
         if L > 1 and not causal:
             raise NotImplementedError(
                 f"GroupQueryAttention is causal: its {L} new rows cannot all see every key")
-        if q.dtype != np.float32 or Ev != E:
-            raise NotImplementedError("GroupQueryAttention on the CPU: float32, Ev == E only")
-        f32, i32 = TensorProto.FLOAT, TensorProto.INT32
-        inputs = [helper.make_tensor_value_info("query", f32, [B, L, Hq * E]),
-                  helper.make_tensor_value_info("key", f32, [B, L, Hkv * E]),
-                  helper.make_tensor_value_info("value", f32, [B, L, Hkv * E]),
-                  helper.make_tensor_value_info("past_key", f32, [B, Hkv, S, E]),
-                  helper.make_tensor_value_info("past_value", f32, [B, Hkv, S, E]),
+        if q.dtype not in (np.float32, np.float16) or k.dtype != q.dtype or Ev != E:
+            raise NotImplementedError("GroupQueryAttention on the CPU: float32 or float16, Ev == E only")
+        elem, i32 = helper.np_dtype_to_tensor_dtype(q.dtype), TensorProto.INT32
+        inputs = [helper.make_tensor_value_info("query", elem, [B, L, Hq * E]),
+                  helper.make_tensor_value_info("key", elem, [B, L, Hkv * E]),
+                  helper.make_tensor_value_info("value", elem, [B, L, Hkv * E]),
+                  helper.make_tensor_value_info("past_key", elem, [B, Hkv, S, E]),
+                  helper.make_tensor_value_info("past_value", elem, [B, Hkv, S, E]),
                   helper.make_tensor_value_info("seqlens_k", i32, [B]),
                   helper.make_tensor_value_info("total_sequence_length", i32, [])]
-        outputs = [helper.make_tensor_value_info(n, f32, None)
+        outputs = [helper.make_tensor_value_info(n, elem, None)
                    for n in ("output", "present_key", "present_value")]
         names = [i.name for i in inputs]
         extra, attrs = {}, {}
@@ -268,12 +317,12 @@ class OrtGroupQueryAttention(OnnxRuntime):
         if mods.get("alibi_slopes") is not None:
             extra["attention_bias"] = alibi_mask(mods["alibi_slopes"], L, S, False, q.dtype)[None]
         if mods.get("sinks") is not None:
-            extra["head_sink"] = np.asarray(mods["sinks"], np.float32)
+            extra["head_sink"] = np.asarray(mods["sinks"], q.dtype)
         if extra:  # optional inputs are positional: "" skips one
             order = ["cos_cache", "sin_cache", "position_ids", "attention_bias", "head_sink"]
             used = order[:max(order.index(n) for n in extra) + 1]
             names += [n if n in extra else "" for n in used]
-            inputs += [helper.make_tensor_value_info(n, f32, list(x.shape)) for n, x in extra.items()]
+            inputs += [helper.make_tensor_value_info(n, elem, list(x.shape)) for n, x in extra.items()]
         node = helper.make_node("GroupQueryAttention", names,
                                 [o.name for o in outputs], domain="com.microsoft",
                                 num_heads=Hq, kv_num_heads=Hkv, scale=1 / math.sqrt(E), **attrs)
@@ -292,7 +341,7 @@ class OrtGroupQueryAttention(OnnxRuntime):
         # the cache: all S rows of K and V; the op rewrites the last L with the same values
         cache_k = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(k))
         cache_v = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v))
-        out = np.empty((B, L, Hq * E), np.float32)
+        out = np.empty((B, L, Hq * E), q.dtype)
         binding = session.io_binding()
         binding.bind_cpu_input("query", bsnh(q))
         binding.bind_cpu_input("key", bsnh(k[:, :, S - L:]))
@@ -316,18 +365,24 @@ class OrtGroupQueryAttention(OnnxRuntime):
 
 
 class OpenVINO(Peer):
-    """``opset13.scaled_dot_product_attention`` compiled for the CPU in float32
-    (it runs in bfloat16 on CPUs that have it unless told f32). SDPA needs equal
-    head counts, so GQA broadcasts K/V heads inside the graph, as exported models
-    do; the CPU plugin fuses that pattern."""
+    """``opset13.scaled_dot_product_attention`` compiled for the CPU with the
+    inference precision hint f32 (it runs in bfloat16 on CPUs that have it
+    unless told f32). SDPA needs equal head counts, so GQA broadcasts K/V heads
+    inside the graph, as exported models do; the CPU plugin fuses that pattern.
+    float16 and bfloat16 inputs are f16 and bf16 parameters (bfloat16 passed
+    as its bits: OpenVINO's Python does not know ml_dtypes). With bf16 inputs
+    the output is the same for the hints f32 and bf16 (OpenVINO 2026.4)."""
 
     name, title, module, dists = "openvino", "OpenVINO", "openvino", ("openvino",)
+    dtypes = ("float32", "float64", "float16", "bfloat16")
 
     def prepare(self, q, k, v, causal, threads, **mods):
         self.refuse_others(mods)  # none yet: its attn_mask could carry ALiBi (untried)
         ov = self.load()
         ops = importlib.import_module("openvino.opset13")
-        pq, pk, pv = (ops.parameter(list(x.shape), x.dtype) for x in (q, k, v))
+        bf16 = q.dtype.name == "bfloat16"
+        element = ov.Type.bf16 if bf16 else None
+        pq, pk, pv = (ops.parameter(list(x.shape), element or x.dtype) for x in (q, k, v))
         key, value = pk, pv
         if q.shape[-3] != k.shape[-3]:
             key, value = (_ov_repeat_heads(ops, p, q.shape, x.shape) for p, x in ((pk, k), (pv, v)))
@@ -337,6 +392,11 @@ class OpenVINO(Peer):
                   "NUM_STREAMS": 1}
         request = ov.Core().compile_model(model, "CPU", config).create_infer_request()
         feeds = {0: q, 1: k, 2: v}
+        if bf16:  # tensors on the same memory, typed bf16
+            feeds = {i: ov.Tensor(x.view(np.uint16), list(x.shape), element) for i, x in feeds.items()}
+            # its bf16 output comes back as float16-typed bits: a view, no copy
+            return lambda: request.infer(feeds, share_inputs=True,
+                                         share_outputs=True)[0].view(np.uint16).view(q.dtype)
         # shared in and out: no copies inside the timed call
         return lambda: request.infer(feeds, share_inputs=True, share_outputs=True)[0]
 

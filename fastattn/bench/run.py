@@ -1,7 +1,7 @@
-"""The run: every library on every shape and thread count, each in its own
-loop after a pause, each checked before it is timed; a Result per pair and a
-progress line on stderr. Timing, checks, adapters and the report are the
-other modules of fastattn.bench.
+"""The run: every library on every shape, storage dtype and thread count,
+each in its own loop after a pause, each checked before it is timed; a Result
+per case and a progress line on stderr. Timing, checks, dtypes, adapters and
+the report are the other modules of fastattn.bench.
 """
 import dataclasses
 import sys
@@ -11,6 +11,7 @@ import numpy as np
 
 from fastattn.bench import block, timing
 from fastattn.bench.checks import block_reference, max_error, reference_for
+from fastattn.bench.dtypes import storage
 from fastattn.bench.header import OthersWatch
 from fastattn.bench.peers import ALL_PEERS, LIBRARIES
 from fastattn.bench.report import format_time, threads_text
@@ -27,11 +28,12 @@ class Result:
     median_s: float = None
     gflops: float = None
     peak_share: float = None      # of the same run's matmul GFLOP/s
-    gbps: float = None            # decode shapes: bytes of K and V read per call / time
+    gbps: float = None            # decode shapes: bytes of K and V stored (so read) per call / time
     bandwidth_share: float = None  # decode shapes: of the same run's read bandwidth
     tokens_per_s: float = None    # block shapes: tokens through the block per second
     ratio_to_fastattn: float = None  # this library's time / fastattn's
     ratio_to_plain: float = None  # modifier rows: this time / the same library's plain call's
+    speedup_over_float32: float = None  # 16-bit and int8 rows: the library's float32 time / this
     max_error: float = None
     tolerance: float = None
     samples: int = None
@@ -40,6 +42,8 @@ class Result:
     spread: float = None          # interquartile range / median
     others_busy: float = None     # share of the CPUs other processes used during the loop
     detail: str = ""
+    dtype: str = "float32"        # the --dtype storage (fastattn.bench.dtypes)
+    kv_bytes: int = None          # decode shapes: bytes of K and V stored, scales included
 
 
 def library_status(requested):
@@ -65,10 +69,11 @@ def _first_line(e):
 
 
 def run_one(lib, shape, prepare, ref, threads, peak, repeat, min_time, bandwidth=None,
-            dtype=np.float32):
+            dtype="float32"):
     """Build (``prepare(library name, threads)``), check, then time one
-    library on one shape (its own loop)."""
-    res = Result(shape.name, shape.label, threads, lib.name, "error")
+    library on one shape stored in ``dtype`` (its own loop)."""
+    st = storage(dtype)
+    res = Result(shape.name, shape.label, threads, lib.name, "error", dtype=st.name)
     try:
         with blas_threads(threads):
             call = prepare(lib.name, threads)
@@ -88,7 +93,8 @@ def run_one(lib, shape, prepare, ref, threads, peak, repeat, min_time, bandwidth
     res.gflops = shape.flops / t.median_s / 1e9
     res.peak_share = res.gflops / peak if peak else None
     if shape.decode:
-        res.gbps = shape.kv_bytes(dtype) / t.median_s / 1e9
+        res.kv_bytes = st.kv_bytes(shape)
+        res.gbps = res.kv_bytes / t.median_s / 1e9
         res.bandwidth_share = res.gbps / bandwidth if bandwidth else None
     if shape.kind == "block":
         res.tokens_per_s = shape.tokens / t.median_s
@@ -121,28 +127,40 @@ class Progress:
             self.stream.flush()
 
 
-def run(shapes, libraries, threads_list, dtype=np.float32, repeat=10, min_time=0.5,
+def run(shapes, libraries, threads_list, dtypes=("float32",), repeat=10, min_time=0.5,
         progress=None):
-    """Time every library on every shape and thread count.
+    """Time every library on every shape, storage dtype and thread count.
 
-    The peaks come first (and the read bandwidth when a decode shape is
-    asked for); then shape by shape, so a shape's inputs and reference are
-    made once and its thread counts run close in time. A library whose
-    ``kinds`` leaves a shape's kind out, or that lacks a shape's score
-    modifier, is not run on it. A modifier row's time is also taken over
-    the same library's time on the plain shape (``base``) in this run.
-    Returns (peaks, results, bandwidths): {threads: matmul GFLOP/s}, a list of
-    Result, {threads: read GB/s} (empty without decode shapes).
+    ``dtypes``: --dtype names (fastattn.bench.dtypes.STORAGES), or one name or
+    NumPy dtype. The peaks come first (the matmul in each dtype the rows
+    compute in, and the read bandwidth when a decode shape is asked for);
+    then shape by shape, so a shape's inputs and references are made once and
+    its dtypes and thread counts run close in time. A storage runs the kinds
+    of shape it lists (int8: decode only); a library whose ``kinds`` leaves a
+    shape's kind out, or that lacks a shape's score modifier or dtype, is not
+    run on it. A modifier row's time is also taken over the same library's
+    time on the plain shape (``base``) in this run, and a 16-bit or int8 row's
+    speed-up over the same library's float32 row. Returns (peaks, results,
+    bandwidths): {threads: {"float32" or "float64": matmul GFLOP/s}}, a list
+    of Result, {threads: read GB/s} (empty without decode shapes).
     """
+    if isinstance(dtypes, (str, np.dtype, type)):
+        dtypes = [dtypes]
+    storages = [storage(d) for d in dtypes]
     libs = [LIBRARIES[name] for name in libraries]
-    any_decode = any(s.decode for s in shapes)
-    pairs = sum(1 for s in shapes for lib in libs if _runs_on(lib, s))
-    progress = progress or Progress(len(threads_list) * (1 + any_decode + pairs))
+    cases = [(s, st) for s in shapes for st in storages if s.kind in st.kinds]
+    any_decode = any(s.decode for s, _ in cases)
+    computes = list(dict.fromkeys(st.compute for _, st in cases)) or [storages[0].compute]
+    pairs = sum(1 for s, st in cases for lib in libs if _runs_on(lib, s, st))
+    progress = progress or Progress(len(threads_list) * (len(computes) + any_decode + pairs))
     peaks, bandwidths, results = {}, {}, []
     for threads in threads_list:
-        progress.show(f"matmul peak, {threads_text(threads)}")
-        peaks[threads] = matmul_peak(threads, dtype, repeat, min_time)
-        progress.step(f"matmul peak, {threads_text(threads)}: {peaks[threads]:.0f} GFLOP/s")
+        peaks[threads] = {}
+        for compute in computes:
+            what = f"{compute} matmul peak, {threads_text(threads)}"
+            progress.show(what)
+            peaks[threads][compute] = matmul_peak(threads, np.dtype(compute), repeat, min_time)
+            progress.step(f"{what}: {peaks[threads][compute]:.0f} GFLOP/s")
         if any_decode:
             time.sleep(timing.PAUSE_S)
             progress.show(f"read bandwidth, {threads_text(threads)}")
@@ -150,52 +168,79 @@ def run(shapes, libraries, threads_list, dtype=np.float32, repeat=10, min_time=0
             progress.step(f"read bandwidth, {threads_text(threads)}: "
                           f"{bandwidths[threads]:.1f} GB/s")
     for shape in shapes:
-        progress.show(f"{shape.name}: the reference")
-        if shape.kind == "block":
-            problem = block.BlockProblem(shape, dtype)
-            ref = block_reference(problem)
-            prepare = problem.prepare
-        else:
-            q, k, v = shape.inputs(dtype)
-            ref = reference_for(shape, q, k, v)
-
-            def prepare(name, threads, q=q, k=k, v=v, causal=shape.causal,
-                        mods=shape.modifier_args()):
-                return LIBRARIES[name].prepare(q, k, v, causal, threads, **mods)
+        prepared = []  # (storage, reference, prepare) for each dtype the shape runs in
+        for st in storages:
+            if shape.kind not in st.kinds:
+                continue
+            progress.show(f"{shape.name}, {st.name}: the reference")
+            prepared.append((st, *_problem(shape, st)))
         for threads in threads_list:
-            base = None
-            for lib in libs:
-                if not _runs_on(lib, shape):
-                    continue
-                time.sleep(timing.PAUSE_S)
-                where = f"{shape.name}, {threads_text(threads)}: {lib.title}"
-                progress.show(where)
-                res = run_one(lib, shape, prepare, ref, threads, peaks[threads], repeat, min_time,
-                              bandwidths.get(threads), dtype)
-                if lib.name == "fastattn" and res.status == "ok":
-                    base = res.median_s
-                if base and res.median_s:
-                    res.ratio_to_fastattn = res.median_s / base
-                results.append(res)
-                took = format_time(res.median_s) if res.median_s else res.status
-                progress.step(f"{where} {took}")
+            for st, ref, prepare in prepared:
+                base = None
+                for lib in libs:
+                    if not _runs_on(lib, shape, st):
+                        continue
+                    time.sleep(timing.PAUSE_S)
+                    where = f"{shape.name}, {st.name}, {threads_text(threads)}: {lib.title}"
+                    progress.show(where)
+                    res = run_one(lib, shape, prepare, ref, threads, peaks[threads][st.compute],
+                                  repeat, min_time, bandwidths.get(threads), st)
+                    if lib.name == "fastattn" and res.status == "ok":
+                        base = res.median_s
+                    if base and res.median_s:
+                        res.ratio_to_fastattn = res.median_s / base
+                    results.append(res)
+                    took = format_time(res.median_s) if res.median_s else res.status
+                    progress.step(f"{where} {took}")
     progress.close()
     _ratios_to_plain(shapes, results)
+    _speedups_over_float32(results)
     return peaks, results, bandwidths
+
+
+def _problem(shape, st):
+    """A shape's reference and its ``prepare(library name, threads)`` in one storage."""
+    if shape.kind == "block":
+        problem = block.BlockProblem(shape, st.dtype())
+        return block_reference(problem), problem.prepare
+    q, k, v = st.inputs(shape)
+    ref = reference_for(shape, q, k, v)
+
+    def prepare(name, threads, q=q, k=k, v=v, causal=shape.causal, mods=shape.modifier_args()):
+        return LIBRARIES[name].prepare(q, k, v, causal, threads, **mods)
+
+    return ref, prepare
+
+
+def _speedups_over_float32(results):
+    """Each 16-bit or int8 row's speed-up: the same library's float32 time on
+    the same shape and threads, in this run, over its time."""
+    f32 = {(r.shape, r.library, r.threads): r.median_s for r in results
+           if r.status == "ok" and r.dtype == "float32"}
+    for r in results:
+        t = f32.get((r.shape, r.library, r.threads))
+        if r.status == "ok" and r.dtype not in ("float32", "float64") and t:
+            r.speedup_over_float32 = t / r.median_s
 
 
 def _ratios_to_plain(shapes, results):
     """Each modifier row's time over its plain shape's, same library and threads."""
     base = {s.name: s.base for s in shapes if s.modifier}
-    plain = {(r.shape, r.library, r.threads): r.median_s for r in results if r.status == "ok"}
+    plain = {(r.shape, r.library, r.threads, r.dtype): r.median_s for r in results
+             if r.status == "ok"}
     for r in results:
-        t = plain.get((base.get(r.shape), r.library, r.threads))
+        t = plain.get((base.get(r.shape), r.library, r.threads, r.dtype))
         if r.status == "ok" and t:
             r.ratio_to_plain = r.median_s / t
 
 
-def _runs_on(lib, shape):
+def _runs_on(lib, shape, st=None):
+    """Whether ``lib`` runs ``shape`` stored as ``st`` (a Storage; None: float32)."""
+    st = storage(st or "float32")
+    if shape.kind not in st.kinds:
+        return False
     if shape.kind == "block":  # the same block, attention by each of these
         return lib.name in block.ATTENTIONS
     kinds = getattr(lib, "kinds", None)
-    return (kinds is None or shape.kind in kinds) and lib.has(shape.modifier)
+    return ((kinds is None or shape.kind in kinds) and lib.has(shape.modifier)
+            and lib.has_dtype(st.name))
