@@ -133,6 +133,14 @@ cdef int _code(cnp.ndarray x) except -1:
     raise TypeError(f"no fastattn dtype for {x.dtype}")
 
 
+cdef const float *_row_scales(object x, int64_t *stride):
+    # an int8 pair's scales as a (B, Hkv, S, 1) view: its data and row strides, or NULL
+    if x is None:
+        return NULL
+    _strides(<cnp.ndarray>x, stride, 3)
+    return <const float *>cnp.PyArray_DATA(<cnp.ndarray>x)
+
+
 cdef int _fill_modifiers(fa_args *a, dict mods) except -1:
     # mods: softcap (float, 0 off), alibi_slopes float64 (B, Hq), sinks float64
     # (Hq,) contiguous, q_start / k_start int64 (B,) contiguous; absent or None: off
@@ -146,14 +154,8 @@ cdef int _fill_modifiers(fa_args *a, dict mods) except -1:
     x = mods.get("sinks")
     if x is not None:
         a.sinks = <const double *>cnp.PyArray_DATA(x)
-    x = mods.get("k_scale")
-    if x is not None:
-        a.k_scale = <const float *>cnp.PyArray_DATA(x)
-        _strides(x, a.k_scale_stride, 3)
-    x = mods.get("v_scale")
-    if x is not None:
-        a.v_scale = <const float *>cnp.PyArray_DATA(x)
-        _strides(x, a.v_scale_stride, 3)
+    a.k_scale = _row_scales(mods.get("k_scale"), a.k_scale_stride)
+    a.v_scale = _row_scales(mods.get("v_scale"), a.v_scale_stride)
     x = mods.get("q_start")
     if x is not None:
         a.q_start = <const int64_t *>cnp.PyArray_DATA(x)

@@ -118,7 +118,7 @@ int fa_check(const fa_args *a) {
         for (int64_t b = 0; b < a->B; b++)
             if (a->kv_len[b] < 0 || a->kv_len[b] > a->S) return FA_ERR_KV_LEN;
     const int64_t far = (int64_t)1 << 60;
-    for (int64_t b = 0; b < a->B; b++)
+    for (int64_t b = 0; (a->q_start || a->k_start) && b < a->B; b++)
         if ((a->q_start && (a->q_start[b] > far || a->q_start[b] < -far)) ||
             (a->k_start && (a->k_start[b] > far || a->k_start[b] < -far)))
             return FA_ERR_POSITION;

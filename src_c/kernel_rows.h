@@ -11,13 +11,6 @@
  */
 #define FA_FEW FA_ROWS_MAX   /* rows at most: the per-row arrays below */
 
-/* The first n < W elements of x, the rest 0 (never reads past x[n-1]). */
-static inline VT FN(v_load_part)(const T *x, int n) {
-    VT v = {0};
-    for (int u = 0; u < n; u++) v[u] = x[u];
-    return v;
-}
-
 /* max of the lanes; like v_max, a NaN lane never wins. */
 static inline T FN(v_hmax)(VT x) {
     T t[W];

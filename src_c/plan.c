@@ -95,8 +95,7 @@ static int plan_rows(const fa_args *a, const fa_kernel *kern, int64_t group, con
 /* Key chunks. They cover the keys some batch entry can see (a KV cache is
  * often far from full), so every chunk has work; a multiple of 64 keys, so
  * chunks end on key-block boundaries. */
-static int plan_chunks(const fa_args *a, const fa_strategy *force, fa_work *w) {
-    const int64_t S_seen = fa_keys_seen(a);
+static int plan_chunks(const fa_args *a, const fa_strategy *force, int64_t S_seen, fa_work *w) {
     w->n_chunks = 1;
     w->chunk = a->S;
     if (force->chunk_keys) {
@@ -120,8 +119,8 @@ static int plan_chunks(const fa_args *a, const fa_strategy *force, fa_work *w) {
 /* Threads: the caller's count (or OpenMP's default), one for a call too
  * small to wake a worker, never more than there are items or than the
  * machine can use. */
-static void plan_threads(const fa_args *a, const fa_strategy *force, fa_work *w) {
-    const double work = (double)a->B * a->Hq * a->L * fa_keys_seen(a) * (a->E + a->Ev);
+static void plan_threads(const fa_args *a, const fa_strategy *force, int64_t S_seen, fa_work *w) {
+    const double work = (double)a->B * a->Hq * a->L * S_seen * (a->E + a->Ev);
     int threads = force->threads ? force->threads : a->num_threads > 0 ? a->num_threads : fa_max_threads();
     w->serial = work < FA_SERIAL_WORK;
     if (w->serial && !force->threads) threads = 1;
@@ -154,9 +153,10 @@ int fa_plan_work(const fa_args *a, const fa_strategy *force, fa_work *w) {
     w->elem_bytes = a->dtype == FA_F64 ? sizeof(double) : sizeof(float); /* the computation type */
     w->scratch = kern->scratch_bytes(a->E, a->Ev);
     w->key_block = kern->key_block;
+    const int64_t S_seen = fa_keys_seen(a);
     int err = plan_rows(a, kern, w->plan.group, force, w);
-    if (!err) err = plan_chunks(a, force, w);
-    if (!err) plan_threads(a, force, w);
+    if (!err) err = plan_chunks(a, force, S_seen, w);
+    if (!err) plan_threads(a, force, S_seen, w);
     return err;
 }
 

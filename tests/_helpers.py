@@ -36,7 +36,7 @@ def bf16():
     return ml_dtypes.bfloat16
 
 
-def _dequantized(x):
+def as_float64(x):
     """An int8 (values, scales) pair as the float64 array it stands for."""
     if isinstance(x, tuple):
         return fastattn.reference.dequantize(np.asarray(x[0]), np.asarray(x[1]))
@@ -53,7 +53,7 @@ def tolerance(q, k, v, **kw):
     relative), for the one rounding of the output. k and v may be int8
     (values, scales) pairs; max|V| is then of the dequantized values.
     """
-    v64 = _dequantized(v)
+    v64 = as_float64(v)
     vmax = float(np.max(np.abs(v64))) if v64.size else 0.0
     out_dtype = np.asarray(q).dtype
     if out_dtype == np.float64:

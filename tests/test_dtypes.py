@@ -14,30 +14,17 @@ import pytest
 
 import fastattn
 from fastattn import _api, reference
+from fastattn.cache import quantize_int8 as quantize
+
+from _helpers import as_float64 as as_f64, tolerance
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16, F32, F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
-HALF_ULP = {F16: 2.0**-11, BF16: 2.0**-8, F32: 0.0}
 
 
 def _rng(*key):
     return np.random.default_rng(zlib.crc32(repr(key).encode()))
-
-
-def quantize(x):
-    """Symmetric int8 per row: scale = max|x| / 127, values = rint(x / scale)."""
-    scale = np.abs(x).max(axis=-1) / 127
-    scale[scale == 0] = 1
-    scale = scale.astype(np.float32)
-    return np.clip(np.rint(x / scale[..., None]), -127, 127).astype(np.int8), scale
-
-
-def as_f64(x):
-    """The exact float64 value of a stored K/V (int8 pairs dequantized)."""
-    if isinstance(x, tuple):
-        return x[0].astype(F64) * x[1].astype(F64)[..., None]
-    return np.asarray(x).astype(F64)
 
 
 def store(x, kind):
@@ -45,12 +32,8 @@ def store(x, kind):
 
 
 def check(got, q, k, v, out_dtype, **kw):
-    q64, k64, v64 = as_f64(q), as_f64(k), as_f64(v)
-    want = reference.attention(q64, k64, v64, **kw)
-    textbook = reference.attention(q64, k64, v64, dtype=np.float32, **kw)
-    err_tb = float(np.max(np.abs(textbook - want))) if want.size else 0.0
-    vmax = float(np.max(np.abs(v64))) if v64.size else 0.0
-    tol = max(2 * err_tb, 16 * 2.0**-24 * vmax) + HALF_ULP[np.dtype(out_dtype)] * float(np.max(np.abs(want), initial=0))
+    want = reference.attention(as_f64(q), as_f64(k), as_f64(v), **kw)
+    tol = tolerance(q, k, v, **kw)  # the float32 rule on the stored values, + half an ulp of 16-bit out
     assert got.dtype == out_dtype
     err = float(np.max(np.abs(got.astype(F64) - want))) if want.size else 0.0
     assert err <= tol, f"max error {err:.3g} > tolerance {tol:.3g}"

@@ -9,6 +9,9 @@ import dataclasses
 
 import numpy as np
 
+from fastattn import reference
+from fastattn.cache import quantize_int8
+
 
 def bfloat16():
     """ml_dtypes' bfloat16 as a NumPy dtype, or None without ml_dtypes."""
@@ -19,20 +22,10 @@ def bfloat16():
     return np.dtype(ml_dtypes.bfloat16)
 
 
-def quantize(x):
-    """Symmetric int8 per row (tests/test_dtypes.py's scheme): scale = max|x| / 127
-    per (batch, head, token) row, values = rint(x / scale); key = values·scale."""
-    scale = np.abs(x).max(axis=-1) / 127
-    scale[scale == 0] = 1
-    scale = scale.astype(np.float32)
-    return np.clip(np.rint(x / scale[..., None]), -127, 127).astype(np.int8), scale
-
-
 def as_float64(x):
     """The exact float64 value of a stored q, k or v (an int8 pair dequantized)."""
     if isinstance(x, tuple):
-        values, scales = x
-        return values.astype(np.float64) * scales.astype(np.float64)[..., None]
+        return reference.dequantize(*x)
     return np.asarray(x).astype(np.float64)
 
 
@@ -75,7 +68,7 @@ class Storage:
             return shape.inputs(np.float64)
         q, k, v = shape.inputs(np.float32)
         if self.kv == "int8":
-            return q, quantize(k), quantize(v)
+            return q, quantize_int8(k), quantize_int8(v)
         return q.astype(self.dtype(self.q)), k.astype(self.dtype(self.kv)), v.astype(self.dtype(self.kv))
 
     def kv_bytes(self, shape):
