@@ -435,7 +435,7 @@ def _with_weights(q, k, v, *, return_lse, **kw):
     the normaliser from the kernel."""
     from fastattn import reference
     p = _prepare(q, k, v, return_lse=True, **kw)
-    L, S = p.out.shape[-2], np.shape(k)[-2]
+    S = np.shape(_arrays(k)[0] if isinstance(k, tuple) else k)[-2]
     n = math.prod(p.out.shape[:-1]) * S
     if n > WEIGHTS_LIMIT:
         raise ValueError(
@@ -443,12 +443,17 @@ def _with_weights(q, k, v, *, return_lse, **kw):
             "allowed: it is for inspecting small calls")
     out, lse = _run(p)
     ref_kw = {n: x for n, x in kw.items() if n not in ("out", "num_threads")}
-    masked = reference.attention_steps(np.asarray(q), np.asarray(k), np.asarray(v), dtype=p.out.dtype,
+    masked = reference.attention_steps(_arrays(q), _arrays(k), _arrays(v), dtype=p.out.dtype,
                                        **ref_kw).masked
     with np.errstate(invalid="ignore"):
         weights = np.exp(masked - lse[..., None])
     weights[np.isneginf(masked)] = 0  # hidden keys, and rows with none visible (−inf − −inf)
     return (out, lse, weights) if return_lse else (out, weights)
+
+
+def _arrays(x):
+    """An input as arrays: int8 storage stays a tuple (values, scales[, channels])."""
+    return tuple(np.asarray(a) for a in x) if isinstance(x, tuple) else np.asarray(x)
 
 
 def attention_with(q, k, v, strategy, **kwargs):
