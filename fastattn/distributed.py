@@ -454,14 +454,18 @@ class ShardedKVCache:
         """ray.get of one call per shard, or the first failing shard's error.
 
         The fast path is one ray.get; only when it raises are the calls looked
-        at one by one, in shard order, to name the shard.
+        at one by one, in shard order, to name the first shard that failed.
         """
         timeout = self._timeout if timeout is None else timeout
         shards = list(shards)
         try:
             return ray.get(refs, timeout=timeout)
-        except ray.exceptions.RayError:
+        except ray.exceptions.GetTimeoutError:
             pass
+        except ray.exceptions.RayError:
+            # One failed first; let the others finish, so that the error names
+            # the first failing shard in shard order, whatever the timing.
+            ray.wait(refs, num_returns=len(refs), timeout=timeout)
         _, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
         pending = set(pending)
         for s, ref in zip(shards, refs):
