@@ -56,9 +56,9 @@ class ShardError(RuntimeError):
 class _Shard:
     """The actor: one KVCache holding global positions [k_start, k_start + capacity)."""
 
-    def __init__(self, batch, num_kv_heads, capacity, head_dim, head_dim_v, dtype, k_start, num_threads):
+    def __init__(self, index, batch, num_kv_heads, capacity, head_dim, head_dim_v, dtype, num_threads):
         self._cache = KVCache(batch, num_kv_heads, capacity, head_dim, head_dim_v, dtype)
-        self._k_start = k_start
+        self._index, self._k_start = index, index * capacity
         # Ray sets OMP_NUM_THREADS=1 in its workers; a shard is meant to own
         # its machine, so by default it uses every core it may run on.
         self._threads = num_threads or len(os.sched_getaffinity(0))
@@ -82,8 +82,15 @@ class _Shard:
         # Explicit global positions: row i at q_start + i, key j at k_start + j,
         # so this shard computes exactly its part of the whole call; no sinks
         # here (merge_attention applies them once).
+        kwargs = dict(kwargs)
         kwargs.setdefault("num_threads", self._threads)
         return self._cache.attend(q, q_start=q_start, k_start=self._k_start, return_lse=True, **kwargs)
+
+    def graph_attend(self, request):
+        """The compiled graph's step: every shard gets the request, the shards
+        not asked answer None."""
+        q, q_start, kwargs, asked = request
+        return self.attend(q, q_start, kwargs) if self._index in asked else None
 
 
 _ShardActor = ray.remote(_Shard)
@@ -123,6 +130,16 @@ class ShardedKVCache:
         shard's process may run on (Ray's workers get ``OMP_NUM_THREADS=1``,
         which would make every shard serial). ``attend(num_threads=)``
         overrides it for one call.
+    compiled : bool
+        Run :meth:`attend` through a Ray Compiled Graph over all the shards
+        (default True): compiled on the first call, it passes the request and
+        the partial results through shared-memory channels, which measured a
+        fraction of a plain actor call's overhead (docs/distributed.md). Any
+        error on that path (a dead shard, a refused argument, a timeout) tears
+        the graph down and reruns the call as plain actor calls, which name
+        the failing shard; if the graph cannot be compiled, plain calls are
+        used from then on. False: plain actor calls only. Appends, truncation
+        and lengths always use plain calls.
     actor_options : dict or sequence of dicts, optional
         ``.options()`` for the actors (one dict for all, or one per shard),
         e.g. ``{"scheduling_strategy": "SPREAD"}`` for one shard per node.
@@ -142,7 +159,7 @@ class ShardedKVCache:
     """
 
     def __init__(self, num_shards, batch, num_kv_heads, capacity_per_shard, head_dim, head_dim_v=None,
-                 dtype=np.float32, *, timeout=60.0, num_threads=None, actor_options=None):
+                 dtype=np.float32, *, timeout=60.0, num_threads=None, actor_options=None, compiled=True):
         self._num_shards = _positive(num_shards, "num_shards")
         self._batch = _positive(batch, "batch")
         self._hkv = _positive(num_kv_heads, "num_kv_heads")
@@ -155,9 +172,13 @@ class ShardedKVCache:
         options = _actor_options(actor_options, self._num_shards)
         self._actors = [
             _ShardActor.options(**opts, max_concurrency=1).remote(
-                self._batch, self._hkv, self._cap, self._e, self._ev, self._dtype.name, s * self._cap, threads)
+                s, self._batch, self._hkv, self._cap, self._e, self._ev, self._dtype.name, threads)
             for s, opts in enumerate(options)]
         self._lengths = np.zeros(self._batch, np.int64)
+        # None: compile on the first attend; False: plain actor calls only.
+        if not isinstance(compiled, (bool, np.bool_)):
+            raise TypeError(f"compiled must be True or False; got {compiled!r}")
+        self._graph = None if compiled else False
         # Construction errors (ml_dtypes missing on a node, no room) surface here.
         self._gather([a.ready.remote() for a in self._actors], range(self._num_shards), "start")
 
@@ -368,14 +389,44 @@ class ShardedKVCache:
         # 16-bit queries widen exactly; the shards return float32 parts.
         wide = q if q.dtype.itemsize >= 4 else q.astype(np.float32)
         args = dict(kwargs, causal=causal, window=window)
-        refs = [self._actors[s].attend.remote(wide, q_start, args) for s in needed]
-        parts = self._gather(refs, needed, "attend", timeout)
+        parts = self._graph_attend((wide, q_start, args, needed), timeout) if needed else None
+        if parts is None:  # plain calls: no graph, or its call failed (then they say why)
+            refs = [self._actors[s].attend.remote(wide, q_start, args) for s in needed]
+            parts = self._gather(refs, needed, "attend", timeout)
         if not parts:  # no shard holds a visible key: the result of an empty part
             empty = np.zeros((B, Hq, L, self._ev), wide.dtype)
             parts = [(empty, np.full((B, Hq, L), -np.inf, wide.dtype))]
         out, lse = merge_attention([p[0] for p in parts], [p[1] for p in parts], sinks=sinks)
         out = out.astype(q.dtype, copy=False)  # 16-bit: the one rounding of the output
         return (out, lse) if return_lse else out
+
+    def _graph_attend(self, request, timeout):
+        """The partial results of the asked shards through the compiled graph,
+        or None when there is none or its call failed (then it is torn down)."""
+        if self._graph is None:
+            try:
+                from ray.dag import InputNode, MultiOutputNode
+                with InputNode() as request_node:
+                    dag = MultiOutputNode([a.graph_attend.bind(request_node) for a in self._actors])
+                self._graph = dag.experimental_compile()
+            except Exception:  # an older Ray, a dead shard: plain calls from now on
+                self._graph = False
+        if self._graph is False:
+            return None
+        try:
+            results = ray.get(self._graph.execute(request), timeout=timeout)
+        except Exception:
+            self._drop_graph()
+            return None
+        return [results[s] for s in request[3]]
+
+    def _drop_graph(self):
+        graph, self._graph = self._graph, None
+        if graph is not None and graph is not False:
+            try:
+                graph.teardown()
+            except Exception:  # a dead shard's channel: nothing more to release
+                pass
 
     def _check_query(self, q):
         a = np.asarray(q)
@@ -446,6 +497,7 @@ class ShardedKVCache:
 
     def close(self):
         """Stop the actors (their caches are gone); the object is unusable after."""
+        self._drop_graph()
         for a in self._actors:
             ray.kill(a)
         self._actors = []

@@ -157,8 +157,13 @@ OPTIONS = [
 ]
 
 
-@pytest.mark.parametrize("dtype", STORAGE)
-@pytest.mark.parametrize("num_shards", [1, 2, 3, 4])
+# float32 on 1-4 shards, every other storage dtype on 2 and 4 (each dtype on
+# 1 shard: test_one_shard_is_the_local_call_bitwise); a cache costs a Ray
+# worker process per shard, seconds on 2 cores.
+LAYOUTS = [("float32", n) for n in (1, 2, 3, 4)] + [(d, n) for d in STORAGE[1:] for n in (2, 4)]
+
+
+@pytest.mark.parametrize("dtype, num_shards", LAYOUTS)
 def test_sharded_equals_local_shards_bitwise_and_one_call_within_tolerance(fd, dtype, num_shards):
     rng = np.random.default_rng(10 * num_shards + STORAGE.index(dtype))
     B, Hkv, Hq, C, E = 2, 2, 4, 23, 16   # GQA: 2 query heads per K/V head
@@ -208,18 +213,38 @@ def test_one_shard_is_the_local_call_bitwise(fd, dtype):
     cache.close()
 
 
-def test_same_bits_whatever_the_timing(fd):
-    """Shard 0 made slow (busy for 0.3 s before the call), then shard 2: the
-    merge runs in shard order, so the result does not change."""
+def _slow_down(actor, seconds):
+    """Make the shard's KVCache.attend sleep first (whichever thread runs it:
+    the compiled graph's or the actor's own), until _restore."""
+    def patch(shard):
+        cache = shard._cache
+        def attend(*args, **kwargs):
+            time.sleep(seconds)
+            return type(cache).attend(cache, *args, **kwargs)
+        cache.attend = attend
+    import ray
+    ray.get(actor.__ray_call__.remote(patch))
+
+
+def _restore(actor):
+    import ray
+    ray.get(actor.__ray_call__.remote(lambda shard: shard._cache.__dict__.pop("attend", None)))
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_same_bits_whatever_the_timing(fd, compiled):
+    """Shard 0 made slow (0.3 s), then shard 2: the merge runs in shard
+    order, so the result does not change."""
     rng = np.random.default_rng(7)
-    cache = fd.ShardedKVCache(num_shards=3, batch=1, num_kv_heads=1, capacity_per_shard=40, head_dim=8)
+    cache = fd.ShardedKVCache(num_shards=3, batch=1, num_kv_heads=1, capacity_per_shard=40, head_dim=8,
+                              compiled=compiled)
     _fill(rng, [cache], [100], 1, 1, 8, "float32")
     q = randn(rng, (1, 2, 1, 8))
     first = cache.attend(q)
-    for s in (0, 2, None):
-        if s is not None:
-            cache.actors[s].__ray_call__.remote(lambda shard: time.sleep(0.3))
+    for s in (0, 2):
+        _slow_down(cache.actors[s], 0.3)
         _same_bits(cache.attend(q), first)
+        _restore(cache.actors[s])
     cache.close()
 
 
@@ -270,16 +295,20 @@ def test_killed_actor_raises_naming_the_shard_and_the_others_stay_intact(fd):
         _same_bits(a, b)
 
 
-def test_busy_shard_times_out_naming_it_then_answers(fd):
+@pytest.mark.parametrize("compiled", [True, False])
+def test_slow_shard_times_out_naming_it_then_answers(fd, compiled):
     rng = np.random.default_rng(11)
-    cache = fd.ShardedKVCache(num_shards=2, batch=1, num_kv_heads=1, capacity_per_shard=10, head_dim=8)
+    cache = fd.ShardedKVCache(num_shards=2, batch=1, num_kv_heads=1, capacity_per_shard=10, head_dim=8,
+                              compiled=compiled)
     _fill(rng, [cache], [15], 1, 1, 8, "float32")
     q = randn(rng, (1, 1, 1, 8))
     before = cache.attend(q)
-    cache.actors[1].__ray_call__.remote(lambda shard: time.sleep(3))
+    _slow_down(cache.actors[1], 2)
     with pytest.raises(fd.ShardError, match="shard 1 of 2: attend did not answer within 0.5 s"):
         cache.attend(q, timeout=0.5)
-    _same_bits(cache.attend(q, timeout=30), before)   # queued behind the sleep, then fine
+    _restore(cache.actors[1])   # once the late calls are done
+    _same_bits(cache.attend(q), before)
+    np.testing.assert_array_equal(cache.shard_lengths(), [[10], [5]])
     cache.close()
 
 
