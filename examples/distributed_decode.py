@@ -172,7 +172,7 @@ def model_rows(gbps, rtt, per_shard, merge, machines=(1, 2, 4, 8, 16)):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tokens", type=int, default=16384, help="cache length for the decode steps (16384)")
+    p.add_argument("--tokens", type=int, default=4096, help="cache length for the decode steps (4096)")
     p.add_argument("--steps", type=int, default=300, help="decode steps per shard count (300)")
     p.add_argument("--shards", default="1,2,4", help="shard counts (1,2,4)")
     p.add_argument("--dtype", default="float16", help="cache storage dtype (float16)")
