@@ -18,21 +18,11 @@ import time
 import numpy as np
 
 import fastattn
+from fastattn._info import cpu_model
 
 # The model's shape (issue 14): 32 layers, 32 query heads over 8 K/V heads of
 # 128, bfloat16 storage, 2**20 tokens: 128 GiB of keys and values.
 MODEL = dict(layers=32, heads=32, kv_heads=8, head_dim=128, bytes_per_element=2, tokens=2**20)
-
-
-def cpu_name():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def median_ms(times):
@@ -194,7 +184,7 @@ def main(argv=None):
     rng = np.random.default_rng(args.seed)
     start_ray(ray)
     cores = len(os.sched_getaffinity(0))
-    print(f"{cpu_name()}, {cores} cores, load average {os.getloadavg()[0]:.2f}; fastattn {fastattn.__version__} "
+    print(f"{cpu_model()}, {cores} cores, load average {os.getloadavg()[0]:.2f}; fastattn {fastattn.__version__} "
           f"({fastattn.info()['isa']}), Ray {ray.__version__}")
     print(f"decode: batch 1, {args.heads} query heads over {args.kv_heads} K/V heads of {args.head_dim}, "
           f"{args.tokens} tokens of {args.dtype}; medians over {args.steps} steps (each: append 1 token, attend)")

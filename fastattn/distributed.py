@@ -170,15 +170,14 @@ class ShardedKVCache:
         self._timeout = _check_timeout(timeout)
         threads = None if num_threads is None else _positive(num_threads, "num_threads")
         options = _actor_options(actor_options, self._num_shards)
+        if not isinstance(compiled, (bool, np.bool_)):
+            raise TypeError(f"compiled must be True or False; got {compiled!r}")
         self._actors = [
             _ShardActor.options(**opts, max_concurrency=1).remote(
                 s, self._batch, self._hkv, self._cap, self._e, self._ev, self._dtype.name, threads)
             for s, opts in enumerate(options)]
         self._lengths = np.zeros(self._batch, np.int64)
-        # None: compile on the first attend; False: plain actor calls only.
-        if not isinstance(compiled, (bool, np.bool_)):
-            raise TypeError(f"compiled must be True or False; got {compiled!r}")
-        self._graph = None if compiled else False
+        self._graph = None if compiled else False  # None: compile on the first attend
         # Construction errors (ml_dtypes missing on a node, no room) surface here.
         self._gather([a.ready.remote() for a in self._actors], range(self._num_shards), "start")
 
