@@ -413,7 +413,8 @@ class ShardedKVCache:
         if self._graph is False:
             return None
         try:
-            results = ray.get(self._graph.execute(request), timeout=timeout)
+            # -1: wait for ever (None would mean the graph's own 10 s default)
+            results = ray.get(self._graph.execute(request), timeout=-1 if timeout is None else timeout)
         except Exception:
             self._drop_graph()
             return None
