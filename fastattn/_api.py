@@ -52,11 +52,18 @@ def _as_input(x, name):
 
 
 def _as_kv(x, name):
-    """k or v: a float array, or an int8 pair (values, scales) with one float32
-    scale per row (scales.shape == values.shape[:-1]). Returns (array, scales or None)."""
+    """k or v: a float array, or int8 storage: the pair (values, scales) with
+    one float32 scale per row (scales.shape == values.shape[:-1]), and for k
+    optionally the triple (values, scales, channels) with per-channel factors
+    of shape values.shape[:-2] + (E,) (one E-vector per head: the key is
+    values · scales · channels). Returns (array, scales or None, channels or None)."""
     if isinstance(x, tuple):
-        if len(x) != 2:
-            raise TypeError(f"{name} as a tuple must be an int8 pair (values, scales); got {len(x)} items")
+        sizes = (2, 3) if name == "k" else (2,)
+        if len(x) not in sizes:
+            raise TypeError(
+                f"{name} as a tuple must be an int8 pair (values, scales)"
+                f"{' or triple (values, scales, channels)' if name == 'k' else ''}; got {len(x)} items"
+                f"{' (per-channel factors are for keys only)' if name == 'v' and len(x) == 3 else ''}")
         values, scales = np.asarray(x[0]), np.asarray(x[1])
         if values.dtype != np.int8:
             raise TypeError(f"{name}'s values in an int8 pair must be int8; got {values.dtype}")
@@ -68,11 +75,26 @@ def _as_kv(x, name):
         if scales.shape != values.shape[:-1]:
             raise ValueError(f"{name}'s scales must have shape {_shape(values)[:-1]} (one per row of "
                              f"values {_shape(values)}); got {_shape(scales)}")
-        return values, scales.astype(np.float32, copy=False)
+        channels = None if len(x) == 2 else _check_channels(np.asarray(x[2]), values.shape)
+        return values, scales.astype(np.float32, copy=False), channels
     a = np.asarray(x)
     if a.dtype == np.int8:
         raise TypeError(f"{name} is int8: pass it with its scales, as the pair ({name}_values, {name}_scales)")
-    return _as_input(a, name), None
+    return _as_input(a, name), None, None
+
+
+def _check_channels(c, values_shape):
+    """int8 keys' per-channel factors: finite floats, one E-vector per head."""
+    want = values_shape[:-2] + values_shape[-1:]
+    if c.dtype.kind != "f":
+        raise TypeError(f"k's channel factors (k[2]) must be floating (stored as float32); got {c.dtype}")
+    if c.shape != want:
+        raise ValueError(f"k's channel factors (k[2]) must have shape {tuple(int(n) for n in want)} "
+                         f"(values.shape[:-2] + (E,): one factor per head and channel); got {_shape(c)}")
+    c = c.astype(np.float32, copy=False)
+    if not np.isfinite(c).all():
+        raise ValueError("k's channel factors (k[2]) must be finite; got NaN or inf")
+    return c
 
 
 def _native(dtype):
@@ -305,13 +327,20 @@ def attention(q, k, v, *, mask=None, causal=False, window=None, kv_lengths=None,
     ----------
     q : array_like, (..., Hq, L, E) or (L, E)
         Queries. The head axis is the third from last; axes before it are
-        batch axes and broadcast as in NumPy. float32 or float64.
-    k : array_like, (..., Hkv, S, E) or (S, E)
-        Keys, same dtype. ``Hq`` must be a multiple of ``Hkv``: query head
+        batch axes and broadcast as in NumPy. The output has q's dtype.
+    k : array_like, (..., Hkv, S, E) or (S, E), or int8 storage
+        Keys. ``Hq`` must be a multiple of ``Hkv``: query head
         ``h`` reads key/value head ``h // (Hq // Hkv)`` (grouped-query
-        attention; ``Hkv == 1`` is multi-query).
-    v : array_like, (..., Hkv, S, Ev) or (S, Ev)
-        Values, same dtype.
+        attention; ``Hkv == 1`` is multi-query). int8 keys come as the pair
+        ``(values, scales)``, scales of shape ``values.shape[:-1]`` (the key
+        is ``values * scales[..., None]``), or the triple ``(values, scales,
+        channels)`` with per-channel factors of shape ``values.shape[:-2] +
+        (E,)`` (the key is ``values * scales[..., None] * channels[..., None,
+        :]``; see docs/int8.md and :class:`KVCache`).
+    v : array_like, (..., Hkv, S, Ev) or (S, Ev), or an int8 pair
+        Values, in k's dtype (an int8 pair ``(values, scales)`` with int8
+        keys). q may be float16, bfloat16, float32 or float64, k and v
+        16-bit, float32 or int8; float64 only with all three float64.
     mask : array_like, optional
         Broadcastable to (..., Hq, L, S). bool: True means the key may be
         attended; floating: added to the scaled scores (-inf hides a key).
@@ -406,7 +435,7 @@ def _with_weights(q, k, v, *, return_lse, **kw):
     the normaliser from the kernel."""
     from fastattn import reference
     p = _prepare(q, k, v, return_lse=True, **kw)
-    L, S = p.out.shape[-2], np.shape(k)[-2]
+    S = np.shape(_arrays(k)[0] if isinstance(k, tuple) else k)[-2]
     n = math.prod(p.out.shape[:-1]) * S
     if n > WEIGHTS_LIMIT:
         raise ValueError(
@@ -414,12 +443,17 @@ def _with_weights(q, k, v, *, return_lse, **kw):
             "allowed: it is for inspecting small calls")
     out, lse = _run(p)
     ref_kw = {n: x for n, x in kw.items() if n not in ("out", "num_threads")}
-    masked = reference.attention_steps(np.asarray(q), np.asarray(k), np.asarray(v), dtype=p.out.dtype,
+    masked = reference.attention_steps(_arrays(q), _arrays(k), _arrays(v), dtype=p.out.dtype,
                                        **ref_kw).masked
     with np.errstate(invalid="ignore"):
         weights = np.exp(masked - lse[..., None])
     weights[np.isneginf(masked)] = 0  # hidden keys, and rows with none visible (−inf − −inf)
     return (out, lse, weights) if return_lse else (out, weights)
+
+
+def _arrays(x):
+    """An input as arrays: int8 storage stays a tuple (values, scales[, channels])."""
+    return tuple(np.asarray(a) for a in x) if isinstance(x, tuple) else np.asarray(x)
 
 
 def attention_with(q, k, v, strategy, **kwargs):
@@ -448,7 +482,8 @@ class _Prepared:
 
     def modifiers(self, c):
         """The binding's mods dict for kernel call c, or None when none is on."""
-        m = dict(self.mods, **{n: c[n] for n in _PER_BATCH[1:]}, k_scale=c["k_scale"], v_scale=c["v_scale"])
+        m = dict(self.mods, **{n: c[n] for n in _PER_BATCH[1:]}, k_scale=c["k_scale"], v_scale=c["v_scale"],
+                 k_channel=c["k_channel"])
         return m if any(x is not None for x in m.values()) else None
 
 
@@ -466,8 +501,8 @@ def _prepare(q, k, v, *, mask=None, causal=False, window=None, kv_lengths=None, 
              q_start=None, k_start=None):
     """Every check of ``attention``'s arguments, then the 4-D views C reads."""
     q = _as_input(q, "q")
-    k, k_scale = _as_kv(k, "k")
-    v, v_scale = _as_kv(v, "v")
+    k, k_scale, k_channel = _as_kv(k, "k")
+    v, v_scale, _ = _as_kv(v, "v")
     dtype, compute = _check_dtypes(q, k, v)
     L, E = q.shape[-2:]
     S, E_k = k.shape[-2:]
@@ -515,7 +550,8 @@ def _prepare(q, k, v, *, mask=None, causal=False, window=None, kv_lengths=None, 
 
     q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
     per_batch = {"lens": lens, "alibi_slopes": slopes, "q_start": q_start, "k_start": k_start}
-    scales = None if k_scale is None else (_kernel_ready(k_scale[..., None]), _kernel_ready(v_scale[..., None]))
+    scales = None if k_scale is None else (_kernel_ready(k_scale[..., None]), _kernel_ready(v_scale[..., None]),
+                                           None if k_channel is None else _kernel_ready(k_channel[..., None, :]))
     calls = _calls(batch, q, k, v, out, lse, m, per_batch, Hq, L, S, scales)
     return _Prepared(calls, (causal_flag, align, wl, wr), (s, nt), out, lse,
                      {"softcap": cap, "sinks": sink_logits})
@@ -549,6 +585,8 @@ def _calls(batch, q, k, v, out, lse, mask, per_batch, Hq, L, S, scales=None):
         # int8 K/V: one scale per row, as (..., Hkv, S, 1) tensors
         "k_scale": None if scales is None else _as_4d(scales[0], batch),
         "v_scale": None if scales is None else _as_4d(scales[1], batch),
+        # and the keys' channel factors, as (..., Hkv, 1, E)
+        "k_channel": None if scales is None or scales[2] is None else _as_4d(scales[2], batch),
     }
     merged = {n: (a if a is None else _merge_batch(a, nb)) for n, a in full.items()}
     if all(a is not None for n, a in merged.items() if full[n] is not None):

@@ -46,6 +46,8 @@ cdef extern from "fastattn.h" nogil:
         const float *v_scale
         int64_t k_scale_stride[3]
         int64_t v_scale_stride[3]
+        const float *k_channel
+        int64_t k_channel_stride[2]
         const int64_t *q_start
         const int64_t *k_start
         int num_threads
@@ -143,7 +145,8 @@ cdef const float *_row_scales(object x, int64_t *stride):
 
 cdef int _fill_modifiers(fa_args *a, dict mods) except -1:
     # mods: softcap (float, 0 off), alibi_slopes float64 (B, Hq), sinks float64
-    # (Hq,) contiguous, q_start / k_start int64 (B,) contiguous; absent or None: off
+    # (Hq,) contiguous, q_start / k_start int64 (B,) contiguous, int8's k_scale /
+    # v_scale (B, Hkv, S, 1) and k_channel float32 (B, Hkv, 1, E); absent or None: off
     cdef cnp.ndarray x
     a.softcap = mods.get("softcap") or 0.0
     x = mods.get("alibi_slopes")
@@ -156,6 +159,11 @@ cdef int _fill_modifiers(fa_args *a, dict mods) except -1:
         a.sinks = <const double *>cnp.PyArray_DATA(x)
     a.k_scale = _row_scales(mods.get("k_scale"), a.k_scale_stride)
     a.v_scale = _row_scales(mods.get("v_scale"), a.v_scale_stride)
+    x = mods.get("k_channel")  # (B, Hkv, 1, E), E contiguous
+    if x is not None:
+        a.k_channel = <const float *>cnp.PyArray_DATA(x)
+        a.k_channel_stride[0] = cnp.PyArray_STRIDE(x, 0) // 4
+        a.k_channel_stride[1] = cnp.PyArray_STRIDE(x, 1) // 4
     x = mods.get("q_start")
     if x is not None:
         a.q_start = <const int64_t *>cnp.PyArray_DATA(x)

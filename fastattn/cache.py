@@ -13,7 +13,7 @@ import numpy as np
 
 from fastattn._api import attention
 
-__all__ = ["KVCache", "quantize_int8"]
+__all__ = ["KVCache", "quantize_int8", "key_channel_scales"]
 
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
 
@@ -133,6 +133,43 @@ def _positive(value, name, minimum=1):
     return n
 
 
+def key_channel_scales(k, axis=-2):
+    """Per-channel factors for int8 keys: ``max |k|`` over ``axis`` (the
+    tokens) for each channel, floored at the median channel's, in float32.
+
+    Dividing keys by these factors before per-token quantisation stops one
+    outlier channel (real LLM keys have a few, 10-100x the rest) from
+    setting every row's scale and so coarsening every other channel's step;
+    attention folds the factors back into the queries. The floor keeps a
+    channel that happened to be small in the sample from being blown up for
+    every later token (docs/int8.md measures both). A head whose keys are
+    all zero gets factors 1.
+
+    Parameters
+    ----------
+    k : array_like of float, (..., n, E)
+        Sample keys, typically the prompt's.
+    axis : int
+        The token axis; default -2.
+
+    Returns
+    -------
+    ndarray of float32, k's shape without ``axis``: (..., E)
+    """
+    a = np.asarray(k)
+    if not _is_float(a.dtype):
+        raise TypeError(f"k must be floating point (float16, bfloat16, float32 or float64); got {a.dtype}")
+    if a.ndim < 2 or a.shape[axis] == 0:
+        raise ValueError(f"k must have at least 2 dimensions and one token on axis {axis}; got shape "
+                         f"{tuple(a.shape)}")
+    amax = np.max(np.abs(a.astype(np.float64)), axis=axis)
+    if not np.isfinite(amax).all():
+        raise ValueError("k holds NaN or inf: channel factors need finite keys")
+    c = np.maximum(amax, np.median(amax, axis=-1, keepdims=True))
+    c[np.max(c, axis=-1) == 0] = 1.0
+    return c.astype(np.float32)
+
+
 class KVCache:
     """Key/value buffers of a fixed capacity for one attention layer.
 
@@ -165,6 +202,17 @@ class KVCache:
         for ``values * scale`` (:func:`quantize_int8`). Appended keys and
         values may be any of float16, bfloat16, float32 and float64; they
         are rounded (to nearest, ties to even) or quantised on the way in.
+    key_channels : {"prompt", None} or array_like, optional
+        int8 caches only: per-channel key factors ``c`` (one E-vector per
+        batch entry and head), so that a stored key is ``values * scale *
+        c`` and an outlier channel does not coarsen the others
+        (docs/int8.md). ``"prompt"`` (the default for int8): each entry's
+        factors come from its first append (:func:`key_channel_scales` of
+        those rows) and stay fixed until :meth:`reset`; give the prompt in
+        one append, as factors from a single token are only as good as
+        per-token scales. An array broadcastable to (batch, num_kv_heads,
+        head_dim): fixed factors (from calibration). ``None``: per-token
+        scales only.
 
     Notes
     -----
@@ -191,7 +239,8 @@ class KVCache:
     (1, 8, 1, 8)
     """
 
-    def __init__(self, batch, num_kv_heads, capacity, head_dim, head_dim_v=None, dtype=np.float32):
+    def __init__(self, batch, num_kv_heads, capacity, head_dim, head_dim_v=None, dtype=np.float32,
+                 key_channels="prompt"):
         batch = _positive(batch, "batch")
         num_kv_heads = _positive(num_kv_heads, "num_kv_heads")
         capacity = _positive(capacity, "capacity")
@@ -207,6 +256,32 @@ class KVCache:
         self._k_scales = np.zeros(rows, np.float32) if dt == np.int8 else None
         self._v_scales = np.zeros(rows, np.float32) if dt == np.int8 else None
         self._lengths = np.zeros(batch, np.int64)
+        # int8 keys' channel factors (batch, Hkv, E), and which entries have
+        # theirs fixed (an unfixed entry holds no keys yet); None: per-token only
+        self._k_channels, self._channels_from_prompt = self._init_channels(key_channels, dt)
+        self._channels_fixed = np.full(batch, not self._channels_from_prompt)
+
+    def _init_channels(self, key_channels, dt):
+        if isinstance(key_channels, str) and key_channels == "prompt":
+            if dt != np.int8:
+                return None, False
+            return np.ones(self._k.shape[:2] + self._k.shape[3:], np.float32), True
+        if key_channels is None:
+            return None, False
+        if dt != np.int8:
+            raise ValueError(f"key_channels applies to int8 caches only; this cache stores {dt.name}")
+        c = np.asarray(key_channels)
+        want = self._k.shape[:2] + self._k.shape[3:]
+        if not (c.dtype.kind == "f" or c.dtype.name == "bfloat16"):
+            raise TypeError(f"key_channels must be 'prompt', None or floating factors; got {c.dtype}")
+        try:
+            c = np.broadcast_to(c, want).astype(np.float32)
+        except ValueError:
+            raise ValueError(f"key_channels must broadcast to (batch, num_kv_heads, head_dim) = {want}; "
+                             f"got shape {tuple(c.shape)}") from None
+        if not (np.isfinite(c).all() and (c > 0).all()):
+            raise ValueError("key_channels must be finite and > 0")
+        return c, False
 
     # -- shape -------------------------------------------------------------
 
@@ -246,10 +321,22 @@ class KVCache:
         return self._k_scales is not None
 
     @property
+    def key_channels(self):
+        """int8 keys' per-channel factors, (batch, Hkv, E) float32, a
+        read-only copy (ones for an entry whose prompt has not come yet);
+        None when the cache uses none."""
+        if self._k_channels is None:
+            return None
+        c = self._k_channels.copy()
+        c.flags.writeable = False
+        return c
+
+    @property
     def nbytes(self):
-        """Bytes held by the buffers, int8's scale buffers included."""
+        """Bytes held by the buffers, int8's scale buffers (and key channel factors) included."""
         scales = self._k_scales.nbytes + self._v_scales.nbytes if self.quantized else 0
-        return self._k.nbytes + self._v.nbytes + scales
+        channels = 0 if self._k_channels is None else self._k_channels.nbytes
+        return self._k.nbytes + self._v.nbytes + scales + channels
 
     # -- contents ----------------------------------------------------------
 
@@ -264,12 +351,13 @@ class KVCache:
     def keys(self):
         """The filled keys, (batch, Hkv, max(lengths), E): a read-only view
         of the buffer in the cache's dtype; for an int8 cache a new float32
-        array ``values * scales`` (each element rounded once to float32).
+        array ``values * scales`` (times :attr:`key_channels`; each element
+        rounded once to float32).
 
         When entries have different lengths, rows past an entry's own length
         are not part of it (see :attr:`lengths`).
         """
-        return self._filled(self._k, self._k_scales, dequantize=True)
+        return self._filled(self._k, self._k_scales, dequantize=True, channels=self._k_channels)
 
     @property
     def values(self):
@@ -279,16 +367,17 @@ class KVCache:
     @property
     def key_buffer(self):
         """The whole key buffer, (batch, Hkv, capacity, E), as a read-only view;
-        for an int8 cache the pair (values, scales) of read-only views, as
-        :func:`fastattn.attention` takes it."""
-        return self._filled(self._k, self._k_scales, self.capacity)
+        for an int8 cache the pair (values, scales) of read-only views, or
+        the triple (values, scales, :attr:`key_channels`) when it has channel
+        factors, as :func:`fastattn.attention` takes it."""
+        return self._filled(self._k, self._k_scales, self.capacity, channels=self._k_channels)
 
     @property
     def value_buffer(self):
         """The whole value buffer, (batch, Hkv, capacity, Ev); as :attr:`key_buffer`."""
         return self._filled(self._v, self._v_scales, self.capacity)
 
-    def _filled(self, buffer, scales, n=None, dequantize=False):
+    def _filled(self, buffer, scales, n=None, dequantize=False, channels=None):
         n = int(self._lengths.max()) if n is None else n
         view = buffer[:, :, :n]
         # Writes must go through append(), which keeps lengths consistent.
@@ -298,10 +387,15 @@ class KVCache:
         s = scales[:, :, :n]
         s.flags.writeable = False
         if dequantize:
-            out = view.astype(np.float32) * s[..., None]
+            x = view.astype(np.float64) * s[..., None]
+            if channels is not None:
+                x *= channels[:, :, None, :]
+            out = x.astype(np.float32)
             out.flags.writeable = False
             return out
-        return view, s
+        if channels is None:
+            return view, s
+        return view, s, self.key_channels
 
     # -- operations --------------------------------------------------------
 
@@ -352,7 +446,8 @@ class KVCache:
                 f"{int(new[b])}; the cache is unchanged")
         # Rounded or quantised before anything is written, so that a refusal
         # (NaN into an int8 cache) leaves the cache as it was.
-        rows = [self._encode(x, name, counts) for x, name in ((k, "k"), (v, "v"))]
+        channels, fixed = self._channels_after(k, counts)
+        rows = [self._encode(x, name, counts, c) for x, name, c in ((k, "k", channels), (v, "v", None))]
         pairs = [(self._k, self._k_scales), (self._v, self._v_scales)]
         start = int(self._lengths[0])
         if (self._lengths == start).all() and (counts == n).all():
@@ -370,11 +465,32 @@ class KVCache:
                         if buf is not None:
                             buf[b, :, lo:lo + c] = x[b, :, :c]
         self._lengths[:] = new
+        if channels is not None:
+            self._k_channels[...], self._channels_fixed[:] = channels, fixed
 
-    def _encode(self, x, name, counts):
-        """New rows as stored: (rounded, None), or (int8 values, scales)."""
+    def _channels_after(self, k, counts):
+        """The key channel factors once this append is stored, and which
+        entries then have theirs fixed: an entry's first non-empty append
+        sets them from its rows (the prompt)."""
+        if self._k_channels is None:
+            return None, None
+        first = ~self._channels_fixed & (counts > 0)
+        if not first.any():
+            return self._k_channels, self._channels_fixed
+        channels, fixed = self._k_channels.copy(), self._channels_fixed | first
+        for b in np.flatnonzero(first):
+            rows = k[b, :, :counts[b]]
+            if np.isfinite(np.asarray(rows, np.float64)).all():  # else _encode words the error
+                channels[b] = key_channel_scales(rows)
+        return channels, fixed
+
+    def _encode(self, x, name, counts, channels=None):
+        """New rows as stored: (rounded, None), or (int8 values, scales) of
+        x / channels (keys with channel factors)."""
         if not self.quantized:
             return _round(x, self.dtype), None
+        if channels is not None:
+            x = np.asarray(x, np.float64) / channels[:, :, None, :]
         values, scales, finite = _quantize(x)
         stored = np.arange(x.shape[2]) < counts[:, None, None]  # padding rows are not kept
         bad = np.argwhere(stored & ~finite)
@@ -451,12 +567,19 @@ class KVCache:
         # The full buffers go in; kv_lengths hides every key past each length,
         # so the kernel neither reads nor copies the unfilled part.
         k = self._k if self._k_scales is None else (self._k, self._k_scales)
+        if self._k_channels is not None:
+            k = k + (self._k_channels,)
         v = self._v if self._v_scales is None else (self._v, self._v_scales)
         return attention(q, k, v, causal=causal, kv_lengths=self._lengths, **kwargs)
 
     def reset(self):
-        """Empty every batch entry (the buffers are kept, not cleared)."""
+        """Empty every batch entry (the buffers are kept, not cleared). Key
+        channel factors taken from a prompt are dropped with it: the next
+        append sets new ones; given ones are kept."""
         self._lengths[:] = 0
+        if self._channels_from_prompt:
+            self._k_channels[...] = 1
+            self._channels_fixed[:] = False
 
     def truncate(self, lengths):
         """Drop keys and values from the end: each batch entry keeps its first

@@ -3,7 +3,7 @@
 This module *defines* what ``fastattn.attention`` computes.  It is written to
 be read, like the lecture it comes from, one named step at a time::
 
-    K, V     = values · scales   (int8 pairs)     dequantize()
+    K, V     = values · scales [· c] (int8)       dequantize()
     scores   = Q · Kᵀ                             scores()
     scaled   = scores · scale                     scale_scores()
     capped   = c · tanh(scaled / c)   (softcap)   cap_scores()
@@ -32,7 +32,9 @@ Conventions (B, Hq, Hkv, L, S, E, Ev as in the PyTorch docs):
   float64; ``k`` and ``v`` may instead both be int8 pairs ``(values,
   scales)``: int8 ``values`` (..., S, E) and floating ``scales`` of shape
   ``values.shape[:-1]``, one per row, standing for ``values · scales[...,
-  None]``.  Every input is converted exactly to float64 (int8 pairs are
+  None]``; ``k`` may be a triple ``(values, scales, channels)`` with
+  per-channel factors (..., E), standing for ``values · scales[..., None] ·
+  channels[..., None, :]``.  Every input is converted exactly to float64 (int8 pairs are
   dequantized exactly: 8 × 24 bits fit in 53) and the computation runs in
   float64: the reference computes from the same rounded inputs as the kernel
   and keeps every digit.  With ``dtype=np.float32`` it is "textbook float32
@@ -471,25 +473,30 @@ def logsumexp(x):
     return lse[..., 0]
 
 
-def dequantize(values, scales):
+def dequantize(values, scales, channels=None):
     """Step 0 (int8 keys or values only): ``values · scales``, row by row.
 
     An int8 cache stores each (batch entry, head, token) row of E numbers as
     int8 ``values`` and one ``scale``; the row it stands for is
-    ``values * scale``.
+    ``values * scale``. Keys may also have per-channel factors ``c`` (one
+    E-vector per head), and then stand for ``values * scale * c``.
 
     Parameters
     ----------
     values : ndarray of int8, shape (..., S, E)
     scales : ndarray of float, shape (..., S)
+    channels : ndarray of float, shape (..., E), optional
 
     Returns
     -------
     ndarray of float64, shape (..., S, E)
-        Exact: an int8 (8 bits) times a float32 (24 bits) fits in float64's
-        53 bits.
+        ``values * scales`` is exact (8 + 24 bits fit in float64's 53); the
+        channel factor adds one float64 rounding (2^-53 relative).
     """
-    return values.astype(np.float64) * scales.astype(np.float64)[..., None]
+    x = values.astype(np.float64) * scales.astype(np.float64)[..., None]
+    if channels is not None:
+        x *= channels.astype(np.float64)[..., None, :]
+    return x
 
 
 def weighted_sum(weights, v):
@@ -531,10 +538,12 @@ def _is_pair(x):
 
 
 def _int8_pair(pair, name):
-    """An int8 ``(values, scales)`` pair, checked and dequantized (float64)."""
-    if len(pair) != 2:
+    """An int8 ``(values, scales)`` pair (for k also ``(values, scales,
+    channels)``), checked and dequantized (float64)."""
+    if len(pair) not in ((2, 3) if name == "k" else (2,)):
         raise TypeError(
-            f"{name} must be an array or an int8 pair (values, scales); got a tuple of {len(pair)}")
+            f"{name} must be an array or an int8 pair (values, scales)"
+            f"{' or triple (values, scales, channels)' if name == 'k' else ''}; got a tuple of {len(pair)}")
     values, scales = np.asarray(pair[0]), np.asarray(pair[1])
     if values.dtype != np.int8:
         raise TypeError(f"{name}'s values ({name}[0]) must be int8; got {values.dtype}")
@@ -546,7 +555,16 @@ def _int8_pair(pair, name):
         raise ValueError(
             f"{name}'s scales ({name}[1]) must have shape values.shape[:-1] = "
             f"{values.shape[:-1]}, one per row; got {scales.shape}")
-    return dequantize(values, scales)
+    channels = None
+    if len(pair) == 3:
+        channels = np.asarray(pair[2])
+        if not (channels.dtype.kind == "f" or channels.dtype.name == "bfloat16"):
+            raise TypeError(f"{name}'s channel factors ({name}[2]) must be floating point; got {channels.dtype}")
+        if channels.shape != values.shape[:-2] + values.shape[-1:]:
+            raise ValueError(
+                f"{name}'s channel factors ({name}[2]) must have shape values.shape[:-2] + (E,) = "
+                f"{values.shape[:-2] + values.shape[-1:]}; got {channels.shape}")
+    return dequantize(values, scales, channels)
 
 
 def _kv_arrays(k, v):
@@ -614,6 +632,7 @@ def attention_steps(q, k, v, *, mask=None, causal=False, window=None, kv_lengths
     ----------
     q : array_like, shape (..., L, E)
     k : array_like, shape (..., S, E), or an int8 pair ``(values, scales)``
+        or triple ``(values, scales, channels)``
     v : array_like, shape (..., S, Ev), or an int8 pair ``(values, scales)``
         For 3-D and higher inputs axis -3 is the head axis (Hq for ``q``, Hkv
         for ``k`` and ``v``, with Hq % Hkv == 0) and the axes before it are

@@ -45,7 +45,7 @@ static const char *const fa_messages[FA_ERR_COUNT] = {
     [FA_ERR_POSITION] = "fa_attention: q_start and k_start entries must lie within +-2^60",
     [FA_ERR_DTYPES] = "fa_attention: q_dtype and out_dtype must be 0, FA_F32, FA_F16 or FA_BF16 "
                       "(FA_F64 only, and only, with dtype FA_F64)",
-    [FA_ERR_SCALES] = "fa_attention: FA_I8 needs k_scale and v_scale; other dtypes take none",
+    [FA_ERR_SCALES] = "fa_attention: FA_I8 needs k_scale and v_scale; other dtypes take none (nor k_channel)",
 };
 
 const char *fa_strerror(int code) {
@@ -94,7 +94,8 @@ int fa_check(const fa_args *a) {
     if (!a) return FA_ERR_NULL_ARGS;
     if (a->dtype < FA_F32 || a->dtype > FA_I8) return FA_ERR_DTYPE;
     if (!fa_io_dtype_ok(a->dtype, a->q_dtype) || !fa_io_dtype_ok(a->dtype, a->out_dtype)) return FA_ERR_DTYPES;
-    if ((a->dtype == FA_I8) != (a->k_scale != NULL) || (a->dtype == FA_I8) != (a->v_scale != NULL))
+    if ((a->dtype == FA_I8) != (a->k_scale != NULL) || (a->dtype == FA_I8) != (a->v_scale != NULL) ||
+        (a->k_channel && a->dtype != FA_I8))
         return FA_ERR_SCALES;
     if (a->B < 0 || a->Hq < 0 || a->Hkv < 0 || a->L < 0 || a->S < 0 || a->E < 0 || a->Ev < 0)
         return FA_ERR_SIZE;
@@ -144,6 +145,8 @@ int fa_check(const fa_args *a) {
         const int64_t n_s[4] = {a->B, a->Hkv, a->S, 1};
         const int64_t s_ks[4] = ST4(a->k_scale_stride), s_vs[4] = ST4(a->v_scale_stride);
         if (span(n_s, s_ks) < 0 || span(n_s, s_vs) < 0) return FA_ERR_STRIDE;
+        const int64_t n_c[4] = {a->B, a->Hkv, 1, a->E}, s_c[4] = {a->k_channel_stride[0], a->k_channel_stride[1], 0, 1};
+        if (a->k_channel && span(n_c, s_c) < 0) return FA_ERR_STRIDE;
     }
 #undef ST4
     if (!no_self_overlap(n_o, s_o)) return FA_ERR_STRIDE;

@@ -28,7 +28,10 @@ extern "C" {
  * float32 for every other: that computation type is also lse's and an
  * additive mask's. FA_F16 is IEEE binary16, FA_BF16 bfloat16 (the top half of
  * a float32), FA_I8 symmetric int8 with one float32 scale per key/value row
- * (k_scale, v_scale): the key is k[j]·k_scale[j]. */
+ * (k_scale, v_scale): the key is k[j]·k_scale[j], or k[j]·k_scale[j]·k_channel
+ * with optional per-channel key factors (one E-vector per batch entry and K
+ * head: they keep an outlier channel from coarsening every other channel's
+ * step; docs/int8.md). */
 enum fa_dtype { FA_F32 = 1, FA_F64 = 2, FA_F16 = 3, FA_BF16 = 4, FA_I8 = 5 };
 
 /* mask: none; bool (uint8, nonzero = may attend); additive (dtype's type, added
@@ -64,7 +67,7 @@ enum fa_error {
     FA_ERR_SINKS,         /* a sink is NaN or +inf */
     FA_ERR_POSITION,      /* a q_start or k_start entry is beyond ±2^60 */
     FA_ERR_DTYPES,        /* q_dtype or out_dtype does not go with dtype */
-    FA_ERR_SCALES,        /* FA_I8 without k_scale and v_scale, or scales given for another dtype */
+    FA_ERR_SCALES,        /* FA_I8 without k_scale and v_scale, or scales (or k_channel) given for another dtype */
     FA_ERR_COUNT
 };
 
@@ -104,6 +107,10 @@ typedef struct fa_args {
                                            lse then includes it. */
     const float *k_scale, *v_scale;     /* FA_I8: (B, Hkv, S) one scale per key / value row */
     int64_t k_scale_stride[3], v_scale_stride[3];   /* batch, head, row */
+    const float *k_channel;             /* FA_I8, optional: (B, Hkv, E) through k_channel_stride,
+                                           E contiguous; key element e is multiplied by k_channel[e]
+                                           (folded into q: one multiply per query element); or NULL */
+    int64_t k_channel_stride[2];        /* batch, head (0 broadcasts) */
     const int64_t *q_start, *k_start;   /* (B): global positions of query row 0 and key 0, or NULL
                                            (0). Either given: d(i) = q_start[b] + i − k_start[b],
                                            overriding align, so a shard of a cache gets exactly

@@ -52,6 +52,11 @@ typedef struct fa_item {
                         normalised output (Ev values), then its lse (rows values) */
 } fa_item;
 
+/* The item's per-channel key factors (FA_I8's k_channel), or NULL. */
+static inline const float *fa_item_channels(const fa_args *a, const fa_item *it) {
+    return a->k_channel ? a->k_channel + it->b * a->k_channel_stride[0] + it->hk * a->k_channel_stride[1] : NULL;
+}
+
 typedef void (*fa_item_fn)(const fa_plan *p, const fa_item *it, void *scratch);
 
 /* One (ISA, dtype) entry of the kernel table: the same sources

@@ -153,6 +153,20 @@ static inline VT FN(q_load)(const fa_plan *p, int64_t off, int n) {
     return v;
 }
 
+/* A query row's packed elements q[off + u] · scale, times the int8 keys'
+ * per-channel factors ch[u] when given (NULL: none), u < n ≤ W, lanes past
+ * n 0. The fold: s_j = Σ_e (q_e·c_e)·k8_je·t_j, so the key loop is plain
+ * per-token int8 whatever c is. */
+static inline VT FN(q_scaled)(const fa_plan *p, int64_t off, int n, const float *ch) {
+    VT x = FN(q_load)(p, off, n) * (T)p->scale;
+    if (ch) {
+        VT c = {0};
+        for (int u = 0; u < n; u++) c[u] = (T)ch[u];
+        x *= c;
+    }
+    return x;
+}
+
 /* n values to the item's output at element offset off: its split-KV part
  * (T), or the caller's out in out_dtype, rounded once (ties to even). */
 static inline void FN(out_put)(const fa_plan *p, const fa_item *it, int64_t off, const T *vals, int64_t n) {

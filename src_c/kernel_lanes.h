@@ -226,18 +226,18 @@ static CN(lanes_bufs) FN(lanes_carve)(void *scratch, int64_t E, int64_t Ev) {
 }
 
 #if !FA_CONVERTS
-/* Packing: Qᵀ · scale into qt (E × BQ, row e of Qᵀ holding every
+/* Packing: Qᵀ · scale (· the int8 keys' channel factors) into qt (E × BQ, row e of Qᵀ holding every
  * row's element e), padding lanes 0. Whole W×W blocks are transposed in
  * registers, the last E % W columns copied one by one. */
-static void FN(lanes_pack_q)(const fa_plan *p, const int64_t *q_row, int64_t rows, int nvc, VT *qt) {
+static void FN(lanes_pack_q)(const fa_plan *p, const int64_t *q_row, int64_t rows, int nvc, const float *ch,
+                            VT *qt) {
     const int64_t E = p->a->E, e_full = E / W * W;
-    const T c = (T)p->scale;
     T *qt_s = (T *)qt;
     for (int u = 0; u < nvc; u++) {
         const int64_t r0 = (int64_t)u * W, nr = rows - r0 < W ? rows - r0 : W;
         for (int64_t e0 = 0; e0 < e_full; e0 += W) {
             VT x[W];
-            for (int i = 0; i < W; i++) x[i] = i < nr ? FN(q_load)(p, q_row[r0 + i] + e0, W) * c : (VT){0};
+            for (int i = 0; i < W; i++) x[i] = i < nr ? FN(q_scaled)(p, q_row[r0 + i] + e0, W, ch ? ch + e0 : NULL) : (VT){0};
             FN(v_transpose)(x);
             for (int i = 0; i < W; i++) qt[(e0 + i) * FA_NV + u] = x[i];
         }
@@ -245,7 +245,7 @@ static void FN(lanes_pack_q)(const fa_plan *p, const int64_t *q_row, int64_t row
     for (int64_t e = e_full; e < E; e++) {
         T *dst = qt_s + e * BQ;
         if (rows < nvc * W) qt[e * FA_NV + nvc - 1] = (VT){0};
-        for (int64_t r = 0; r < rows; r++) dst[r] = FN(q_load)(p, q_row[r] + e, 1)[0] * c;
+        for (int64_t r = 0; r < rows; r++) dst[r] = FN(q_scaled)(p, q_row[r] + e, 1, ch ? ch + e : NULL)[0];
     }
 }
 
@@ -367,7 +367,7 @@ static void FN(lanes_item)(const fa_plan *p, const fa_item *it, void *scratch) {
     T neg_slope[BQ], sink[BQ];
     int64_t diag[BQ];
     if (p->a->alibi_slopes || p->a->sinks) FN(item_mods)(p, it, nvc * W, neg_slope, diag, sink);
-    CN(lanes_pack_q)(p, q_row, it->rows, nvc, s.qt);
+    CN(lanes_pack_q)(p, q_row, it->rows, nvc, fa_item_channels(p->a, it), s.qt);
     FN(lanes_blocks)(p, it, &f, lo, hi, m_row, neg_slope, diag, nvc, s);
     CN(lanes_store)(p, it, p->a->sinks && !it->partial ? sink : NULL, nvc, s);
 }

@@ -178,12 +178,12 @@ static void FN(rows_item)(const fa_plan *p, const fa_item *it, void *scratch) {
     int64_t lo[FA_FEW], hi[FA_FEW], q_row[FA_FEW], m_row[FA_FEW];
     const fa_rows f = fa_item_rows(p, it, lo, hi, q_row, m_row);
 
-    /* Packing: q · scale, each row padded with zeros to whole vectors. */
-    const T c = (T)p->scale;
+    /* Packing: q · scale (· channel factors), each row padded with zeros to whole vectors. */
+    const float *ch = fa_item_channels(a, it);
     for (int64_t r = 0; r < rows; r++) {
         T *dst = (T *)(qs + r * nE);
         for (int64_t e0 = 0; e0 < E; e0 += W) {
-            const VT x = FN(q_load)(p, q_row[r] + e0, E - e0 < W ? (int)(E - e0) : W) * c;
+            const VT x = FN(q_scaled)(p, q_row[r] + e0, E - e0 < W ? (int)(E - e0) : W, ch ? ch + e0 : NULL);
             memcpy(dst + e0, &x, sizeof x); /* rows hold nE·W elements: the padding lanes are 0 */
         }
         for (int64_t e = E; e < nE * W; e++) dst[e] = 0;

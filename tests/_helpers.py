@@ -37,9 +37,10 @@ def bf16():
 
 
 def as_float64(x):
-    """An int8 (values, scales) pair as the float64 array it stands for."""
+    """int8 storage, (values, scales) or keys' (values, scales, channels), as
+    the float64 array it stands for."""
     if isinstance(x, tuple):
-        return fastattn.reference.dequantize(np.asarray(x[0]), np.asarray(x[1]))
+        return fastattn.reference.dequantize(*(np.asarray(a) for a in x))
     return np.asarray(x).astype(np.float64)
 
 
@@ -51,7 +52,9 @@ def tolerance(q, k, v, **kw):
     max|V|; float16 and bfloat16: the float32 rule (the kernel computes in
     float32) plus half an ulp of the output dtype at max|out| (2⁻¹¹ and 2⁻⁸
     relative), for the one rounding of the output. k and v may be int8
-    (values, scales) pairs; max|V| is then of the dequantized values.
+    (values, scales) pairs; max|V| is then of the dequantized values. int8
+    keys with channel factors add the bound of the fold's rounding
+    (_fold_error).
     """
     v64 = as_float64(v)
     vmax = float(np.max(np.abs(v64))) if v64.size else 0.0
@@ -62,11 +65,32 @@ def tolerance(q, k, v, **kw):
     f32 = fastattn.reference.attention(q, k, v, dtype=np.float32, **kw)
     textbook = float(np.max(np.abs(f32 - ref))) if ref.size else 0.0
     tol = max(2 * textbook, 16 * 2.0**-24 * vmax)
+    if isinstance(k, tuple) and len(k) == 3:
+        tol += 2 * vmax * _fold_error(q, k, kw.get("scale"))
     if out_dtype.name in _HALF_ULP:
         relative, floor = _HALF_ULP[out_dtype.name]
         outmax = float(np.max(np.abs(ref))) if ref.size else 0.0
         tol += max(relative * outmax, floor)
     return tol
+
+
+def _fold_error(q, k, scale):
+    """The largest score error the kernel's fold of int8 keys' channel
+    factors into q adds: each term (q_e·c_e·scale)·k8_je·t_j carries one more
+    float32 rounding than textbook NumPy's (which rounds k8·t·c once, as it
+    rounds every key), so a score moves by at most
+    2⁻²⁴·scale·Σ_e |q_e·c_e·k8_je·t_j|. A softmax whose scores all move by at
+    most ε moves each output by at most 2ε·max|V| (first order), which
+    tolerance() adds. With an outlier channel this term dominates."""
+    values, scales, channels = (np.asarray(a, np.float64) for a in k)
+    q64 = as_float64(q)
+    E = q64.shape[-1]
+    s = 1 / np.sqrt(E) if scale is None else scale
+    kabs = np.abs(values * scales[..., None])                 # (..., Hkv, S, E)
+    G = q64.shape[-3] // kabs.shape[-3] if q64.ndim >= 3 and kabs.ndim >= 3 else 1
+    qc = np.abs(q64 * np.repeat(channels, G, axis=-2)[..., None, :]) if kabs.ndim >= 3 else np.abs(q64 * channels)
+    terms = qc @ np.swapaxes(np.repeat(kabs, G, axis=-3) if kabs.ndim >= 3 else kabs, -1, -2)
+    return 2.0**-24 * abs(s) * float(terms.max()) if terms.size else 0.0
 
 
 def planned(q, k, v, strategy=None, **kw):

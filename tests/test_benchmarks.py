@@ -32,6 +32,26 @@ def test_benchmark_suite_runs(tmp_path):
     assert " passed" in p.stdout
 
 
+def test_benchmark_suite_runs_storage_dtypes(tmp_path):
+    """--attn-dtype: each dtype is its own case, checked against the reference;
+    int8 runs decode shapes only, so it skips the tiny prefill."""
+    pytest.importorskip("pytest_benchmark")
+    pytest.importorskip("ml_dtypes")
+    p = subprocess.run(
+        [sys.executable, "-m", "pytest", str(REPO / "benchmarks"), "--benchmark-disable",
+         "-q", "-rs", "-k", "tiny and fastattn", "--attn-dtype", "float32,bfloat16,int8",
+         "-p", "no:cacheprovider"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "2 passed, 1 skipped" in p.stdout, p.stdout
+    assert "does not run tiny in int8" in p.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "pytest", str(REPO / "benchmarks"), "--benchmark-disable", "-q",
+         "--attn-dtype", "float8", "-p", "no:cacheprovider"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--attn-dtype: unknown ['float8']" in bad.stdout + bad.stderr
+
+
 def test_the_core_package_does_not_import_the_bench(tmp_path):
     # fastattn.bench imports the core, never the other way round
     code = ("import sys, fastattn, fastattn.cache, fastattn.layers, fastattn.merge, "

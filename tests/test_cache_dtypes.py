@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import fastattn
-from fastattn.cache import KVCache, quantize_int8
+from fastattn.cache import KVCache, key_channel_scales, quantize_int8
 from _helpers import bf16, randn, tolerance
 
 FLOAT_INPUTS = ["float32", "float64", "float16", "bfloat16"]
@@ -112,7 +112,8 @@ def test_nbytes_counts_what_is_stored(name, per_element):
     cache = KVCache(B, H, cap, E, head_dim_v=Ev, dtype=_cache_dtype(name))
     if name == "bfloat16":
         _dtype(name)
-    scales = 2 * B * H * cap * 4 if name == "int8" else 0  # one float32 per row, K and V
+    # int8: one float32 scale per row (K and V) and one per key channel and head
+    scales = 2 * B * H * cap * 4 + B * H * E * 4 if name == "int8" else 0
     assert cache.nbytes == B * H * cap * (E + Ev) * per_element + scales
     assert cache.nbytes == sum(a.nbytes for a in _state(cache)[:-1])
 
@@ -171,7 +172,7 @@ def test_float64_into_bfloat16_rounds_once_to_nearest_even():
 def test_int8_append_stores_the_quantiser_s_values_and_scales(given):
     rng = np.random.default_rng(2)
     gd = _dtype(given)
-    cache = KVCache(2, 3, 12, 16, head_dim_v=5, dtype="int8")
+    cache = KVCache(2, 3, 12, 16, head_dim_v=5, dtype="int8", key_channels=None)  # per-token only
     k = (rng.standard_normal((2, 3, 7, 16)) * 4).astype(gd)
     v = rng.standard_normal((2, 3, 7, 5)).astype(gd)
     k[0, 1, 2] = 0  # a zero row: scale 0, values 0
@@ -192,6 +193,119 @@ def test_int8_append_stores_the_quantiser_s_values_and_scales(given):
     assert keys.dtype == np.float32 and keys.shape == (2, 3, 7, 16)
     np.testing.assert_array_equal(keys, k8[:, :, :7].astype(np.float32) * ks[:, :, :7, None])
     assert not keys.flags.writeable and not np.shares_memory(keys, k8)
+
+
+@pytest.mark.parametrize("given", FLOAT_INPUTS)
+def test_int8_keys_are_quantised_after_dividing_by_the_prompt_s_channel_factors(given):
+    rng = np.random.default_rng(12)
+    gd = _dtype(given)
+    cache = KVCache(2, 3, 12, 16, head_dim_v=5, dtype="int8")
+    k = (rng.standard_normal((2, 3, 9, 16)) * 4).astype(gd)
+    k[..., 5] *= 20  # an outlier channel
+    v = rng.standard_normal((2, 3, 9, 5)).astype(gd)
+    cache.append(k[:, :, :6], v[:, :, :6], lengths=[6, 0])  # entry 1's prompt comes later
+    cache.append(k[:, :, 6:], v[:, :, 6:], lengths=[3, 2])
+    c = cache.key_channels
+    assert c.dtype == np.float32 and c.shape == (2, 3, 16)
+    np.testing.assert_array_equal(_bits(c[0]), _bits(key_channel_scales(k[0, :, :6])))
+    np.testing.assert_array_equal(_bits(c[1]), _bits(key_channel_scales(k[1, :, 6:8])))
+    k8, ks, kc = cache.key_buffer
+    np.testing.assert_array_equal(kc, c)
+    for b, rows in ((0, slice(0, 9)), (1, slice(6, 8))):  # every stored row: quantised x / c
+        n = rows.stop - rows.start
+        want_vals, want_scales = quantize_int8(k[b, :, rows].astype(np.float64) / c[b, :, None, :])
+        np.testing.assert_array_equal(k8[b, :, :n], want_vals)
+        np.testing.assert_array_equal(_bits(ks[b, :, :n]), _bits(want_scales))
+    # values are per token only; keys dequantize with the factors
+    np.testing.assert_array_equal(cache.value_buffer[0][0, :, :9], quantize_int8(v[0])[0])
+    want_keys = (k8[:, :, :9] * ks[:, :, :9, None].astype(np.float64) * c[:, :, None, :]).astype(np.float32)
+    np.testing.assert_array_equal(cache.keys, want_keys)
+
+
+def test_key_channel_scales_by_its_definition():
+    rng = np.random.default_rng(13)
+    k = rng.standard_normal((3, 40, 8))
+    k[0, :, 2] *= 50
+    k[1] = 0
+    k[2, :, 6] *= 1e-3  # a small channel: floored at the median
+    c = key_channel_scales(k)
+    amax = np.abs(k).max(axis=1)
+    want = np.maximum(amax, np.median(amax, axis=-1, keepdims=True))
+    want[1] = 1  # an all-zero head: factors 1
+    np.testing.assert_array_equal(c, want.astype(np.float32))
+    assert c[2, 6] == np.float32(np.median(amax[2]))
+    np.testing.assert_array_equal(key_channel_scales(np.swapaxes(k, 1, 2), axis=-1), c)
+    with pytest.raises(TypeError, match="k must be floating point .* got int32"):
+        key_channel_scales(np.ones((2, 3), np.int32))
+    with pytest.raises(ValueError, match="NaN or inf"):
+        key_channel_scales(np.array([[1.0, np.inf]]))
+    with pytest.raises(ValueError, match="one token"):
+        key_channel_scales(np.ones((0, 4)))
+
+
+def test_key_channels_given_none_reset_and_refusals():
+    rng = np.random.default_rng(14)
+    k, v = rng.standard_normal((2, 2, 4, 8)), rng.standard_normal((2, 2, 4, 8))
+    given = rng.uniform(0.5, 4, (2, 1, 8))  # broadcasts over heads
+    fixed = KVCache(2, 2, 10, 8, dtype="int8", key_channels=given)
+    fixed.append(k, v)
+    np.testing.assert_array_equal(fixed.key_channels, np.broadcast_to(given, (2, 2, 8)).astype(np.float32))
+    fixed.reset()  # given factors outlive reset
+    np.testing.assert_array_equal(fixed.key_channels, np.broadcast_to(given, (2, 2, 8)).astype(np.float32))
+    prompt = KVCache(2, 2, 10, 8, dtype="int8")
+    assert (prompt.key_channels == 1).all()  # no prompt yet
+    prompt.append(k, v)
+    first = prompt.key_channels
+    prompt.append(k * 100, v)  # later appends do not move them
+    np.testing.assert_array_equal(prompt.key_channels, first)
+    prompt.truncate([0, 0])
+    np.testing.assert_array_equal(prompt.key_channels, first)
+    prompt.reset()  # a new sequence takes factors from its own prompt
+    prompt.append(k * 3, v)
+    np.testing.assert_array_equal(prompt.key_channels, key_channel_scales(k * 3))
+    plain = KVCache(2, 2, 10, 8, dtype="int8", key_channels=None)
+    plain.append(k, v)
+    assert plain.key_channels is None and len(plain.key_buffer) == 2
+    # a refused first append sets no factors
+    fresh = KVCache(1, 2, 10, 8, dtype="int8")
+    bad = k[:1].copy()
+    bad[0, 1, 3, 0] = np.nan
+    before = _state(fresh)
+    with pytest.raises(ValueError, match="k holds NaN or inf"):
+        fresh.append(bad, v[:1])
+    _assert_same_state(_state(fresh), before)
+    fresh.append(k[:1], v[:1])
+    np.testing.assert_array_equal(fresh.key_channels, key_channel_scales(k[:1]))
+    for bad_channels, error, match in [
+            (np.ones((2, 3, 8)), ValueError, r"broadcast to \(batch, num_kv_heads, head_dim\) = \(2, 2, 8\)"),
+            (np.zeros((2, 2, 8)), ValueError, "finite and > 0"),
+            (np.full((2, 2, 8), np.nan), ValueError, "finite and > 0"),
+            (np.ones((2, 2, 8), np.int64), TypeError, "'prompt', None or floating"),
+            ("tokens", TypeError, "'prompt', None or floating")]:
+        with pytest.raises(error, match=match):
+            KVCache(2, 2, 10, 8, dtype="int8", key_channels=bad_channels)
+    with pytest.raises(ValueError, match="key_channels applies to int8 caches only; this cache stores float16"):
+        KVCache(2, 2, 10, 8, dtype=np.float16, key_channels=given)
+
+
+def test_channel_factors_remove_the_outlier_channel_penalty():
+    """The reason for the factors (docs/int8.md): with one key channel 20x
+    the others, int8 attention with per-token scales only is an order of
+    magnitude further from the float32 cache's than with channel factors."""
+    rng = np.random.default_rng(15)
+    B, Hq, Hkv, S, E = 1, 8, 2, 600, 64
+    k = rng.standard_normal((B, Hkv, S, E)).astype(np.float32)
+    k[..., 7] *= 20
+    v = rng.standard_normal((B, Hkv, S, E)).astype(np.float32)
+    q = rng.standard_normal((B, Hq, 4, E)).astype(np.float32)
+    exact = fastattn.reference.attention(q, k, v, causal=True)
+    errors = {}
+    for mode in ("prompt", None):
+        cache = KVCache(B, Hkv, S, E, dtype="int8", key_channels=mode)
+        cache.append(k[:, :, :128], v[:, :, :128])  # the prompt
+        cache.append(k[:, :, 128:], v[:, :, 128:])
+        errors[mode] = float(np.abs(cache.attend(q) - exact).max())
+    assert errors["prompt"] * 4 < errors[None], errors
 
 
 def test_quantize_int8_by_its_definition():
@@ -280,7 +394,8 @@ def test_truncate_reset_and_overwrite(storage):
         cache.truncate([3, 1])
     _assert_same_state(_state(cache), before)
     cache.append(b, b, lengths=[3, 1])
-    fresh = KVCache(2, 2, 8, 4, dtype=_cache_dtype(storage))
+    # an int8 cache's key channel factors came from `a`: the same ones for fresh
+    fresh = KVCache(2, 2, 8, 4, dtype=_cache_dtype(storage), key_channels=cache.key_channels)
     fresh.append(b, b)
     keys = cache.keys
     np.testing.assert_array_equal(keys[0, :, :2], keys5[0, :, :2])

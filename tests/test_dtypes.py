@@ -1,5 +1,6 @@
 """16-bit and int8 storage in the kernel: float16 and bfloat16 q/k/v/out and
-int8 (values, scales) K/V, against the float64 reference on the same rounded
+int8 (values, scales) K/V (keys also with per-channel factors, there with
+an outlier channel), against the float64 reference on the same rounded
 or dequantized inputs, for every ISA, both item layouts (forced), split-KV,
 GQA, masks, causal both ways, windows, kv_lengths and modifiers; bitwise
 across thread counts; float32 and float64 untouched; bad dtype combinations
@@ -14,7 +15,7 @@ import pytest
 
 import fastattn
 from fastattn import _api, reference
-from fastattn.cache import quantize_int8 as quantize
+from fastattn.cache import key_channel_scales, quantize_int8 as quantize
 
 from _helpers import as_float64 as as_f64, tolerance
 
@@ -27,8 +28,15 @@ def _rng(*key):
     return np.random.default_rng(zlib.crc32(repr(key).encode()))
 
 
-def store(x, kind):
-    return quantize(x) if kind == "int8" else x.astype({"float16": F16, "bfloat16": BF16, "float32": F32}[kind])
+def store(x, kind, key=False):
+    """x as stored: 16-bit, an int8 pair, or for keys of kind "int8ch" the
+    triple with per-channel factors (values, scales, channels)."""
+    if kind == "int8ch" and key:
+        c = key_channel_scales(x)
+        return quantize(x / c[..., None, :]) + (c,)
+    if kind.startswith("int8"):
+        return quantize(x)
+    return x.astype({"float16": F16, "bfloat16": BF16, "float32": F32}[kind])
 
 
 def check(got, q, k, v, out_dtype, **kw):
@@ -40,7 +48,7 @@ def check(got, q, k, v, out_dtype, **kw):
 
 
 SHAPES = [(2, 4, 2, 37, 150, 40, 24), (1, 8, 2, 1, 1300, 64, 64), (2, 3, 3, 5, 70, 33, 17)]
-KV_KINDS = ["float16", "bfloat16", "int8"]
+KV_KINDS = ["float16", "bfloat16", "int8", "int8ch"]
 Q_KINDS = {"float32": F32, "float16": F16, "bfloat16": BF16}
 OPTIONS = {
     "plain": {},
@@ -54,7 +62,10 @@ def _case(shape, kv, qk, opt):
     B, Hq, Hkv, L, S, E, Ev = shape
     rng = _rng(shape, kv, qk, opt)
     q = rng.standard_normal((B, Hq, L, E)).astype(Q_KINDS[qk])
-    k = store(rng.standard_normal((B, Hkv, S, E)).astype(F32), kv)
+    k = rng.standard_normal((B, Hkv, S, E)).astype(F32)
+    if kv == "int8ch":
+        k[..., 3] *= 20  # an outlier channel, as real keys have: what channel factors are for
+    k = store(k, kv, key=True)
     v = store(rng.standard_normal((B, Hkv, S, Ev)).astype(F32), kv)
     kw = dict(OPTIONS[opt])
     if kw.get("kv_lengths"):
@@ -118,6 +129,25 @@ def test_int8_scales_are_applied_per_row():
     assert np.allclose(fastattn.attention(q, (k8b, ksb), (v8, vs)), base, rtol=1e-6, atol=1e-7)
 
 
+def test_int8_channel_factors_fold_into_the_query():
+    """Keys (values, scales, c) are values·scales·c, computed as the pair
+    (values, scales) with q·c: with powers of two for c (every product
+    exact) the same bits; and factors of ones change no bit."""
+    rng = _rng("i8chan")
+    q = rng.standard_normal((2, 4, 5, 24)).astype(F32)
+    k8, ks = quantize(rng.standard_normal((2, 2, 60, 24)).astype(F32))
+    vv = quantize(rng.standard_normal((2, 2, 60, 24)).astype(F32))
+    c = 2.0 ** rng.integers(-3, 6, (2, 2, 24)).astype(F32)
+    for layout in ("lanes", "rows"):
+        got = _api.attention_with(q, (k8, ks, c), vv, {"layout": layout}, causal=True)
+        qc = q * np.repeat(c, 2, axis=1)[:, :, None, :]  # query head h reads K head h // 2
+        want = _api.attention_with(qc, (k8, ks), vv, {"layout": layout}, causal=True)
+        assert np.array_equal(got, want)
+        ones = _api.attention_with(q, (k8, ks, np.ones_like(c)), vv, {"layout": layout}, causal=True)
+        plain = _api.attention_with(q, (k8, ks), vv, {"layout": layout}, causal=True)
+        assert np.array_equal(ones, plain)
+
+
 def test_float_dtypes_still_compute_as_before():
     """float32 in, float32 out and lse; float64 stays float64 throughout."""
     rng = _rng("f3264")
@@ -136,6 +166,22 @@ BAD = [
     (lambda q, k, v: (q, (k.astype(F16), quantize(k)[1]), quantize(v)), TypeError, "int8"),
     (lambda q, k, v: (q, quantize(k), v), TypeError, "same dtype"),
     (lambda q, k, v: (q.astype(np.int8), k, v), TypeError, "q must be"),
+]
+
+
+def _channels(k):
+    k8, ks = quantize(k)
+    return k8, ks, np.ones(k.shape[:-2] + k.shape[-1:], F32)
+
+
+BAD += [
+    (lambda q, k, v: (q, _channels(k)[:2] + (_channels(k)[2][..., :-1],), quantize(v)), ValueError,
+     r"k's channel factors \(k\[2\]\) must have shape \(1, 2, 8\)"),
+    (lambda q, k, v: (q, _channels(k)[:2] + (_channels(k)[2] * np.nan,), quantize(v)), ValueError, "finite"),
+    (lambda q, k, v: (q, _channels(k)[:2] + (_channels(k)[2].astype(np.int32),), quantize(v)), TypeError,
+     "must be floating"),
+    (lambda q, k, v: (q, _channels(k), _channels(v)), TypeError, "per-channel factors are for keys only"),
+    (lambda q, k, v: (q, _channels(k) + (1,), quantize(v)), TypeError, r"got 4 items"),
 ]
 
 

@@ -55,7 +55,10 @@ def int8_pair(rng, shape):
 def exact(x):
     """What the reference computes from: the float64 value of each input."""
     if isinstance(x, tuple):
-        return x[0].astype(np.float64) * x[1].astype(np.float64)[..., None]
+        x64 = x[0].astype(np.float64) * x[1].astype(np.float64)[..., None]
+        if len(x) == 3:  # keys' channel factors, one E-vector per head
+            x64 = x64 * x[2].astype(np.float64)[..., None, :]
+        return x64
     return np.asarray(x).astype(np.float64)
 
 
@@ -100,6 +103,21 @@ def test_int8_pairs_match_the_naive_loop_on_values_times_scales(q_dtype):
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
     fin = np.isfinite(want_lse)
     np.testing.assert_allclose(lse[fin], want_lse[fin], rtol=0, atol=1e-13)
+
+
+def test_int8_keys_with_channel_factors_match_the_naive_loop():
+    rng = np.random.default_rng(11)
+    q = rng.standard_normal((3, 4, 2, 16)).astype(np.float32)
+    k = int8_pair(rng, (3, 2, 9, 16)) + (rng.uniform(0.1, 20, (3, 2, 16)).astype(np.float32),)
+    v = int8_pair(rng, (3, 2, 9, 7))
+    out, lse = ref.attention(q, k, v, causal=True, return_lse=True)
+    want, want_lse = naive(exact(q), exact(k), exact(v), causal=True)
+    np.testing.assert_allclose(out, want, rtol=0, atol=1e-13)
+    np.testing.assert_allclose(lse, want_lse, rtol=0, atol=1e-12)
+    # one head, 2-D: factors (E,)
+    k2 = (k[0][0, 0], k[1][0, 0], k[2][0, 0])
+    np.testing.assert_allclose(ref.attention(q[0, 0], k2, (v[0][0, 0], v[1][0, 0])),
+                               ref.attention(q[0, 0], exact(k2), exact((v[0][0, 0], v[1][0, 0]))), atol=1e-14)
 
 
 def test_int8_pairs_of_2d_and_broadcast_inputs():
@@ -185,8 +203,15 @@ def _bad_cases():
         (dict(k=(k8, s), v=(k8, s > 0)), TypeError, r"v's scales \(v\[1\]\) must be floating point; got bool"),
         (dict(k=(f, s), v=(k8, s)), TypeError, r"k's values \(k\[0\]\) must be int8; got float32"),
         (dict(k=(k8.astype(np.uint8), s), v=(k8, s)), TypeError, r"k's values \(k\[0\]\) must be int8; got uint8"),
-        (dict(k=(k8, s, s), v=(k8, s)), TypeError,
-         r"k must be an array or an int8 pair \(values, scales\); got a tuple of 3"),
+        (dict(k=(k8, s, s, s), v=(k8, s)), TypeError,
+         r"k must be an array or an int8 pair \(values, scales\) or triple \(values, scales, channels\); "
+         r"got a tuple of 4"),
+        (dict(k=(k8, s), v=(k8, s, s)), TypeError,
+         r"v must be an array or an int8 pair \(values, scales\); got a tuple of 3"),
+        (dict(k=(k8, s, s), v=(k8, s)), ValueError,
+         r"k's channel factors \(k\[2\]\) must have shape values.shape\[:-2\] \+ \(E,\)"),
+        (dict(k=(k8, s, s[..., :4].astype(np.int16)), v=(k8, s)), TypeError,
+         r"k's channel factors \(k\[2\]\) must be floating point; got int16"),
         (dict(k=(k8[0, 0], s[0, 0]), v=(k8, s)), ValueError, r"k must have at least 2 dimensions"),
     ]
 

@@ -1,6 +1,7 @@
 """Hypothesis fuzzing of fastattn.attention (layouts, aliasing, scales, every option, a random
 ISA each): results match the reference and, bit for bit, the same call on contiguous copies; each
-bad argument raises its documented error and writes nothing. CI: 150 derandomized examples (a few s);
+bad argument raises its documented error and writes nothing. bfloat16 and int8 K/V get a fuzzer
+of their own (storage_problems). CI: 150 derandomized examples (a few s);
 `HYPOTHESIS_PROFILE=thorough pytest tests/test_fuzz.py` runs 5000 + 1000 fresh ones (about 1 min)."""
 import os
 
@@ -38,16 +39,7 @@ def tolerance(q, k, v, **kw):
     """
     v = np.asarray(v)
     vmax = float(np.max(np.abs(v))) if v.size else 0.0
-    steps = reference.attention_steps(q, k, v, **kw)
-    # The logits before the softcap count too: a score of 10³ rounded costs
-    # 10³·u before the cap squeezes it. Huge finite mask values (finfo.min/max
-    # padding) are left out: every score they touch rounds to the same value
-    # in the kernel and the reference.
-    logits = np.abs(np.concatenate([steps.masked[np.isfinite(steps.masked)], steps.scaled.ravel()]))
-    logits = logits[logits < 1e20]
-    lmax = float(logits.max()) if logits.size else 0.0
-    u = 2.0**-53 if np.asarray(q).dtype == np.float64 else 2.0**-24
-    floor = 4 * u * vmax * max(1.0, lmax)
+    steps, floor = logit_floor(q, k, v, vmax, **kw)
     if np.asarray(q).dtype == np.float64:
         return max(1e-12 * max(vmax, 1.0), floor)
     ref = steps.output
@@ -59,6 +51,21 @@ def tolerance(q, k, v, **kw):
         finite = np.abs(ref[np.isfinite(ref)])
         tol += max(2.0**-11 * (float(finite.max()) if finite.size else 0.0), 2.0**-25)
     return tol
+
+
+def logit_floor(q, k, v, vmax, **kw):
+    """(the reference's steps, 4·u·max|V|·max(1, max|logit|)): what rounding
+    the largest logit costs the output (u = 2⁻²⁴, or 2⁻⁵³ for float64)."""
+    steps = reference.attention_steps(q, k, v, **kw)
+    # The logits before the softcap count too: a score of 10³ rounded costs
+    # 10³·u before the cap squeezes it. Huge finite mask values (finfo.min/max
+    # padding) are left out: every score they touch rounds to the same value
+    # in the kernel and the reference.
+    logits = np.abs(np.concatenate([steps.masked[np.isfinite(steps.masked)], steps.scaled.ravel()]))
+    logits = logits[logits < 1e20]
+    lmax = float(logits.max()) if logits.size else 0.0
+    u = 2.0**-53 if np.asarray(q).dtype == np.float64 else 2.0**-24
+    return steps, 4 * u * vmax * max(1.0, lmax)
 
 
 # --------------------------------------------------------------------------
@@ -393,3 +400,82 @@ def test_fuzz_bad_input_raises_documented_error(problem, record_property):
         record_property("fa_bad_input", (defect, type(info.value).__name__))
         for name, was in before.items():  # nothing written: not out, not any input
             assert _bitwise(np.asarray(args[name]), was), f"{defect}: {name} was written by a failing call"
+
+
+# --------------------------------------------------------------------------
+# Storage dtypes: bfloat16 and int8 K/V (float16 runs in problems() above)
+# --------------------------------------------------------------------------
+
+@st.composite
+def storage_problems(draw):
+    """(q, k, v, kw): bfloat16 or int8 K/V (pairs, or keys with channel
+    factors), q in float32, float16 or bfloat16, and attention() keywords."""
+    from _helpers import bf16
+    from fastattn.cache import key_channel_scales, quantize_int8
+    BF16 = np.dtype(bf16())
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    B, Hkv = draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    Hq = Hkv * draw(st.sampled_from([1, 2, 4]))
+    L, S = draw(SIZES), draw(KEYS)
+    E, Ev = draw(st.integers(1, 40)), draw(st.integers(1, 40))
+    amplitude = draw(st.sampled_from([1.0, 4.0]))
+    q = (amplitude * rng.standard_normal((B, Hq, L, E))).astype(draw(st.sampled_from([f32, np.float16, BF16])))
+    k = amplitude * rng.standard_normal((B, Hkv, S, E))
+    v = rng.standard_normal((B, Hkv, S, Ev))
+    if E > 1 and draw(st.booleans()):
+        k[..., int(rng.integers(E))] *= 20  # an outlier channel
+    storage = draw(st.sampled_from(["bfloat16", "int8", "int8_channels"]))
+    if storage == "bfloat16":
+        k, v = k.astype(BF16), v.astype(BF16)
+        if draw(st.booleans()):  # strided K/V: every other row of a wider buffer
+            k = np.repeat(k, 2, axis=2)[:, :, ::2]
+    elif storage == "int8":
+        k, v = quantize_int8(k), quantize_int8(v)
+    else:
+        c = key_channel_scales(k) if S else np.ones((B, Hkv, E), f32)
+        k, v = quantize_int8(k / c[..., None, :]) + (c,), quantize_int8(v)
+    kw = {"causal": draw(st.sampled_from([False, True, "top_left"]))}
+    if draw(st.booleans()):
+        kw["window"] = (draw(st.integers(-1, S + 3)), draw(st.integers(-1, S + 3)))
+    if draw(st.booleans()):
+        kw["kv_lengths"] = rng.integers(0, S + 1, size=B)
+    if L and S and draw(st.booleans()):
+        kw["mask"] = rng.random((B, 1, L, S)) < 0.8
+    if draw(st.booleans()):
+        kw["softcap"] = draw(st.sampled_from([0.5, 5.0, 50.0]))
+    if draw(st.booleans()):
+        kw["alibi_slopes"] = rng.random(Hq) * 0.1
+    if draw(st.booleans()):
+        kw["sinks"] = rng.standard_normal(Hq)
+    if draw(st.booleans()):
+        kw["q_start"], kw["k_start"] = int(draw(st.integers(-50, 200))), int(draw(st.integers(-50, 200)))
+    return q, k, v, kw
+
+
+@PROFILE
+@given(problem=storage_problems(), isa=st.sampled_from(fastattn.available_isas()),
+       threads=st.sampled_from([2, 3, 64]))
+def test_fuzz_storage_dtypes_match_reference(problem, isa, threads, record_property):
+    """bfloat16 and int8 K/V against the float64 reference on the stored
+    values (tests/_helpers.py's tolerance: the float32 rule, half an ulp of a
+    16-bit output, the channel fold's rounding; plus tolerance()'s floor for
+    large logits), and bitwise across thread counts, on a random ISA."""
+    from _helpers import as_float64, tolerance as storage_tolerance
+    q, k, v, kw = problem
+    fastattn.set_isa(isa)
+    try:
+        got, lse = fastattn.attention(q, k, v, return_lse=True, num_threads=1, **kw)
+        again, lse_again = fastattn.attention(q, k, v, return_lse=True, num_threads=threads, **kw)
+    finally:
+        fastattn.set_isa(None)
+    assert got.dtype == q.dtype and lse.dtype == f32
+    assert _bitwise(got, again) and _bitwise(lse, lse_again), "result depends on the thread count"
+    v64 = as_float64(v)
+    steps, floor = logit_floor(q, k, v, float(np.max(np.abs(v64))) if v64.size else 0.0, **kw)
+    ref = steps.output
+    tol = storage_tolerance(q, k, v, **kw) + floor
+    err = float(np.max(np.abs(got.astype(f64) - ref))) if ref.size else 0.0
+    record_property("fa_compare", (err, tol))
+    assert err <= tol, f"max error {err:.3g} > tolerance {tol:.3g}"
+    if lse.size:  # a row with no visible key: zeros, lse -inf or the sink
+        np.testing.assert_array_equal(got[np.isneginf(lse)], 0)

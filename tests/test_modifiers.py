@@ -279,6 +279,21 @@ def test_weights_from_the_kernel_lse(kw):
         assert (w.sum(-1) < 1).all()
 
 
+def test_weights_over_int8_keys_and_values():
+    """return_weights takes int8 storage too: pairs, and keys with channel factors."""
+    from fastattn.cache import key_channel_scales, quantize_int8
+    rng = _rng("weights_int8")
+    q, k, v = _qkv(rng, 1, 4, 2, 3, 30, 16, 8, f32)
+    c = key_channel_scales(k)
+    for kq in (quantize_int8(k), quantize_int8(k / c[..., None, :]) + (c,)):
+        vq = quantize_int8(v)
+        out, w = fastattn.attention(q, kq, vq, causal=True, return_weights=True)
+        steps = reference.attention_steps(q, kq, vq, causal=True)
+        assert w.shape == (1, 4, 3, 30)
+        assert np.allclose(w, steps.weights, atol=1e-5)
+        assert np.allclose(w.sum(-1), 1, atol=1e-5)
+
+
 def test_weights_refused_above_the_limit():
     q = np.zeros((1, 1, 2048, 8), f32)
     k = np.zeros((1, 1, 4096, 8), f32)

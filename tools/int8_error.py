@@ -3,7 +3,8 @@
     python tools/int8_error.py [--heads 32] [--seed 0] [--prompt 128] [--no-floor]
 
 Decoding (L = 1) attention over an int8 cache against the same attention over
-a float32 cache, both through fastattn.reference in float64 (no kernel), for
+a float32 cache, both through fastattn.reference in float64, plus the kernel
+over fastattn.KVCache(dtype="int8") itself, for
 E in (64, 128) and S in (512, 4096), on three kinds of keys:
 
 * normal:  q, K, V ~ N(0, 1);
@@ -13,11 +14,15 @@ E in (64, 128) and S in (512, 4096), on three kinds of keys:
 
 Storage methods (V is quantised per token in every int8 method):
 
-* per-token:   one scale per (head, token) row, what KVCache(dtype="int8")
-               stores: K ≈ k8 · t_j;
+* per-token:   one scale per (head, token) row, KVCache(dtype="int8",
+               key_channels=None): K ≈ k8 · t_j;
 * channel+tok: per-channel K factors c_e (max |K| per channel over the first
-               --prompt tokens, floored at their median), then per token: K ≈ c_e · k8 · t_j, folded
-               into the query: s_j = Σ_e (q_e · c_e) · k8_je · t_j;
+               --prompt tokens, floored at their median: key_channel_scales),
+               then per token: K ≈ c_e · k8 · t_j, what KVCache(dtype="int8")
+               stores; the kernel folds c into the query:
+               s_j = Σ_e (q_e · c_e) · k8_je · t_j;
+* kernel cache: channel+tok through the real thing: a KVCache(dtype="int8")
+               given the prompt, then the rest, and cache.attend (float32);
 * group32:     one scale per (token, group of 32 channels) for K;
 * float16 / bfloat16: the 16-bit caches, for scale.
 
@@ -29,7 +34,9 @@ import argparse
 
 import numpy as np
 
-from fastattn.cache import quantize_int8
+from types import SimpleNamespace
+
+from fastattn.cache import KVCache, key_channel_scales, quantize_int8
 from fastattn.reference import attention_steps, dequantize
 
 OUTLIER = 20.0
@@ -62,17 +69,18 @@ def grouped(x, G):
 def methods(q, k, v, prompt, floor=True):
     """name -> (q, k, v) as the reference takes them (pairs for int8)."""
     v8 = per_token(v)
-    c = np.max(np.abs(k[:, :, :prompt].astype(np.float64)), axis=2, keepdims=True)  # (1, H, 1, E)
     # floored at the median channel's factor: a channel that was small in the
     # prompt must not be blown up later (from one prompt token, unfloored
     # factors make the error worse than per-token's)
     if floor:
-        c = np.maximum(c, np.median(c, axis=-1, keepdims=True))
-    c = np.maximum(c, np.finfo(np.float32).tiny).astype(np.float32)
+        c = key_channel_scales(k[:, :, :prompt])  # (1, H, E)
+    else:
+        c = np.max(np.abs(k[:, :, :prompt].astype(np.float64)), axis=2)
+        c = np.maximum(c, np.finfo(np.float32).tiny).astype(np.float32)
     out = {
         "per-token": (q, per_token(k), v8),
-        # the per-channel factor folds into the query, one multiply per query element
-        "channel+tok": (q.astype(np.float64) * c, per_token(k / c), v8),
+        # keys as (values, scales, channels): values · scales · c
+        "channel+tok": (q, per_token(k / c[:, :, None, :]) + (c,), v8),
         # the reference takes int8 pairs for k and v together: V dequantized here
         "group32": (q, grouped(k, 32), dequantize(*v8)),
         "float16": (q, k.astype(np.float16), v.astype(np.float16)),
@@ -83,6 +91,16 @@ def methods(q, k, v, prompt, floor=True):
     except ImportError:
         pass
     return out
+
+
+def kernel_cache(q, k, v, prompt):
+    """The kernel over an int8 KVCache given the prompt, then the rest."""
+    _, H, S, E = k.shape
+    cache = KVCache(1, H, S, E, dtype="int8")
+    cache.append(k[:, :, :prompt], v[:, :, :prompt])
+    cache.append(k[:, :, prompt:], v[:, :, prompt:])
+    out, weights = cache.attend(q, return_weights=True)
+    return SimpleNamespace(output=out, weights=weights[..., :S])
 
 
 def errors(base, got, vmax):
@@ -112,8 +130,11 @@ def main():
                 q, k, v = make(kind, rng, a.heads, S, E)
                 base = attention_steps(q, k, v)
                 vmax = float(np.max(np.abs(v)))
-                for name, (qm, km, vm) in methods(q, k, v, a.prompt, not a.no_floor).items():
-                    e = errors(base, attention_steps(qm, km, vm), vmax)
+                runs = {name: attention_steps(*m) for name, m in methods(q, k, v, a.prompt, not a.no_floor).items()}
+                if not a.no_floor:
+                    runs["kernel cache"] = kernel_cache(q, k, v, a.prompt)
+                for name, got in runs.items():
+                    e = errors(base, got, vmax)
                     print(f"| {kind} | {E} | {S} | {name} | {e[0]:.2e} | {e[1]:.2e} | {e[2]:.2e} | {e[3]:.2e} |")
 
 

@@ -2,7 +2,8 @@
  * fa_attention against a naive double-precision loop, for every micro-kernel
  * set this CPU runs, float and double, with causal, window, kv_len, a bool
  * mask, GQA, lse, and the score modifiers (softcap, ALiBi, sinks, explicit
- * positions); then checks that bad arguments are refused.
+ * positions), 16-bit and int8 storage (int8 keys with channel factors too);
+ * then checks that bad arguments are refused.
  * Build: see tests/test_c_api.py (the AVX files need their own flags).
  * Exit status 0 and "C API: N passed, 0 failed" when all is well.
  */
@@ -20,6 +21,7 @@ static struct {
     const double *slopes; /* (HQ), the same for every batch entry */
     const double *sinks;  /* (HQ) */
     const int64_t *q_start, *k_start;
+    int channels; /* FA_I8: per-channel key factors (k_channel) */
 } mods;
 
 static int passed, failed;
@@ -73,7 +75,7 @@ static void run_case(int dtype, int causal, int align, int64_t wl, int64_t wr) {
     static float outf[B * HQ * L * EV], lsef[B * HQ * L];
     static uint16_t k16[B * HKV * S * E], v16[B * HKV * S * EV];
     static int8_t k8[B * HKV * S * E], v8[B * HKV * S * EV];
-    static float ksc[B * HKV * S], vsc[B * HKV * S];
+    static float ksc[B * HKV * S], vsc[B * HKV * S], kch[B * HKV * E];
     static unsigned char mask[B * HQ * L * S];
     int64_t kv_len[B] = {S, S - 11};
     for (int i = 0; i < B * HQ * L * E; i++) qf[i] = (float)(q[i] = rnd());
@@ -96,15 +98,18 @@ static void run_case(int dtype, int causal, int align, int64_t wl, int64_t wr) {
             v[i] = dtype == FA_F16 ? fa_f16_to_f32(v16[i]) : fa_bf16_to_f32(v16[i]);
         }
     }
-    if (dtype == FA_I8) /* symmetric per row: scale = max|x| / 127 */
+    /* channel factors: 1, or 2^(e % 5) · 0.75 (the key is k8 · scale · factor) */
+    for (int i = 0; i < B * HKV * E; i++) kch[i] = mods.channels ? 0.75f * (float)(1 << (i % E % 5)) : 1.0f;
+    if (dtype == FA_I8) /* symmetric per row: scale = max|x / factor| / 127 */
         for (int row = 0; row < B * HKV * S; row++) {
             float mk = 0, mv = 0;
-            for (int e = 0; e < E; e++) mk = fmaxf(mk, fabsf(kf[row * E + e]));
+            const float *c = kch + row / S * E;
+            for (int e = 0; e < E; e++) mk = fmaxf(mk, fabsf(kf[row * E + e] / c[e]));
             for (int e = 0; e < EV; e++) mv = fmaxf(mv, fabsf(vf[row * EV + e]));
             ksc[row] = mk / 127; vsc[row] = mv / 127;
             for (int e = 0; e < E; e++) {
-                k8[row * E + e] = (int8_t)lrintf(kf[row * E + e] / ksc[row]);
-                k[row * E + e] = (double)k8[row * E + e] * ksc[row];
+                k8[row * E + e] = (int8_t)lrintf(kf[row * E + e] / c[e] / ksc[row]);
+                k[row * E + e] = (double)k8[row * E + e] * ksc[row] * c[e];
             }
             for (int e = 0; e < EV; e++) {
                 v8[row * EV + e] = (int8_t)lrintf(vf[row * EV + e] / vsc[row]);
@@ -125,6 +130,10 @@ static void run_case(int dtype, int causal, int align, int64_t wl, int64_t wr) {
         a.k = k8; a.v = v8; a.k_scale = ksc; a.v_scale = vsc;
         int64_t ss[3] = {HKV * S, S, 1};
         for (int d = 0; d < 3; d++) { a.k_scale_stride[d] = ss[d]; a.v_scale_stride[d] = ss[d]; }
+        if (mods.channels) {
+            a.k_channel = kch;
+            a.k_channel_stride[0] = HKV * E; a.k_channel_stride[1] = E;
+        }
     }
     if (storage) { a.q_dtype = FA_F32; a.out_dtype = FA_F32; }
     a.out = f32 ? (void *)outf : (void *)out;
@@ -168,8 +177,8 @@ static void run_case(int dtype, int causal, int align, int64_t wl, int64_t wr) {
     char what[160];
     static const char *names[] = {"", "f32", "f64", "f16", "bf16", "i8"};
     snprintf(what, sizeof what, "%s %s causal=%d align=%d window=(%lld,%lld) softcap=%g alibi=%d sinks=%d "
-             "positions=%d: max error %.3g", fa_isa(), names[dtype], causal, align, (long long)wl,
-             (long long)wr, mods.softcap, !!mods.slopes, !!mods.sinks, !!mods.q_start, worst);
+             "positions=%d channels=%d: max error %.3g", fa_isa(), names[dtype], causal, align, (long long)wl,
+             (long long)wr, mods.softcap, !!mods.slopes, !!mods.sinks, !!mods.q_start, mods.channels, worst);
     check(worst < (f32 ? 2e-5 : 1e-12), what);
 }
 
@@ -202,6 +211,10 @@ int main(void) {
             run_case(dt, 0, FA_ALIGN_BOTTOM_RIGHT, -1, -1);
             run_case(dt, 1, FA_ALIGN_TOP_LEFT, 5, -1);
         }
+        mods.channels = 1; /* int8 keys with per-channel factors */
+        run_case(FA_I8, 1, FA_ALIGN_BOTTOM_RIGHT, -1, -1);
+        run_case(FA_I8, 0, FA_ALIGN_TOP_LEFT, 9, 3);
+        mods.channels = 0;
         printf("%s: checked\n", isas[n]);
     }
     check(fa_set_isa("no-such-isa") == FA_ERR_ISA, "unknown ISA refused");
@@ -252,6 +265,10 @@ int main(void) {
     a.k_start = far;
     check(fa_attention(&a) == FA_ERR_POSITION, "position beyond 2^60");
     a.k_start = NULL;
+    float ones[4] = {1, 1, 1, 1};
+    a.k_channel = ones; /* channel factors belong to FA_I8 */
+    check(fa_attention(&a) == FA_ERR_SCALES, "k_channel with FA_F32");
+    a.k_channel = NULL;
     check(fa_strerror(FA_ERR_HEADS)[0] != 0 && fa_strerror(12345)[0] != 0, "fa_strerror");
 
     printf("C API: %d passed, %d failed\n", passed, failed);
