@@ -22,7 +22,7 @@ except ImportError:  # pragma: no cover - the message is the point
     ) from None
 
 from fastattn._api import _check_window
-from fastattn.cache import KVCache, _positive, _storage_dtype
+from fastattn.cache import KVCache, _positive
 from fastattn.merge import merge_attention
 
 __all__ = ["ShardedKVCache", "ShardError"]
@@ -56,8 +56,9 @@ class ShardError(RuntimeError):
 class _Shard:
     """The actor: one KVCache holding global positions [k_start, k_start + capacity)."""
 
-    def __init__(self, index, batch, num_kv_heads, capacity, head_dim, head_dim_v, dtype, num_threads):
-        self._cache = KVCache(batch, num_kv_heads, capacity, head_dim, head_dim_v, dtype)
+    def __init__(self, index, batch, num_kv_heads, capacity, head_dim, head_dim_v, dtype, key_channels,
+                 num_threads):
+        self._cache = KVCache(batch, num_kv_heads, capacity, head_dim, head_dim_v, dtype, key_channels)
         self._index, self._k_start = index, index * capacity
         # Ray sets OMP_NUM_THREADS=1 in its workers; a shard is meant to own
         # its machine, so by default it uses every core it may run on.
@@ -115,9 +116,16 @@ class ShardedKVCache:
     ----------
     num_shards : int
         Number of shards (Ray actors).
-    batch, num_kv_heads, head_dim, head_dim_v, dtype
+    batch, num_kv_heads, head_dim, head_dim_v, dtype, key_channels
         As for :class:`fastattn.KVCache` (storage float32, float64, float16,
-        ``"bfloat16"`` or ``"int8"``); every shard has them.
+        ``"bfloat16"`` or ``"int8"``); every shard has them. For int8 keys,
+        ``key_channels="prompt"`` (the default) lets each shard take each
+        entry's channel factors from the first rows *it* receives: the
+        prompt for shard 0, but for a later shard often a single decode
+        token, whose factors are only as good as per-token scales. For
+        decoding, give fixed factors instead (e.g.
+        ``fastattn.cache.key_channel_scales`` of the prompt's keys), which
+        every shard then shares.
     capacity_per_shard : int
         Positions per shard; the cache holds ``num_shards * capacity_per_shard``
         keys per batch entry.
@@ -159,14 +167,15 @@ class ShardedKVCache:
     """
 
     def __init__(self, num_shards, batch, num_kv_heads, capacity_per_shard, head_dim, head_dim_v=None,
-                 dtype=np.float32, *, timeout=60.0, num_threads=None, actor_options=None, compiled=True):
+                 dtype=np.float32, key_channels="prompt", *, timeout=60.0, num_threads=None,
+                 actor_options=None, compiled=True):
         self._num_shards = _positive(num_shards, "num_shards")
-        self._batch = _positive(batch, "batch")
-        self._hkv = _positive(num_kv_heads, "num_kv_heads")
         self._cap = _positive(capacity_per_shard, "capacity_per_shard")
-        self._e = _positive(head_dim, "head_dim")
-        self._ev = self._e if head_dim_v is None else _positive(head_dim_v, "head_dim_v")
-        self._dtype = _storage_dtype(dtype)  # refuses a bad dtype before any actor starts
+        # The shards' KVCache arguments, checked by KVCache itself (with a
+        # capacity of 1) before any actor starts.
+        one = KVCache(batch, num_kv_heads, 1, head_dim, head_dim_v, dtype, key_channels)
+        self._batch, self._hkv, self._e, self._ev = one.batch, one.num_kv_heads, one.head_dim, one.head_dim_v
+        self._dtype = one.dtype
         self._timeout = _check_timeout(timeout)
         threads = None if num_threads is None else _positive(num_threads, "num_threads")
         options = _actor_options(actor_options, self._num_shards)
@@ -174,7 +183,8 @@ class ShardedKVCache:
             raise TypeError(f"compiled must be True or False; got {compiled!r}")
         self._actors = [
             _ShardActor.options(**opts, max_concurrency=1).remote(
-                s, self._batch, self._hkv, self._cap, self._e, self._ev, self._dtype.name, threads)
+                s, self._batch, self._hkv, self._cap, self._e, self._ev, self._dtype.name, key_channels,
+                threads)
             for s, opts in enumerate(options)]
         self._lengths = np.zeros(self._batch, np.int64)
         self._graph = None if compiled else False  # None: compile on the first attend

@@ -74,10 +74,11 @@ class Mirror:
     positions [s·C, (s+1)·C); every row goes, entry by entry, to the shard
     owning its position; the partials are merged with merge_attention."""
 
-    def __init__(self, num_shards, batch, hkv, cap, e, dtype):
+    def __init__(self, num_shards, batch, hkv, cap, e, dtype, key_channels="prompt"):
         self.cap = cap
-        self.shards = [fastattn.KVCache(batch, hkv, cap, e, dtype=dtype) for _ in range(num_shards)]
-        self.whole = fastattn.KVCache(batch, hkv, num_shards * cap, e, dtype=dtype)
+        self.shards = [fastattn.KVCache(batch, hkv, cap, e, dtype=dtype, key_channels=key_channels)
+                       for _ in range(num_shards)]
+        self.whole = fastattn.KVCache(batch, hkv, num_shards * cap, e, dtype=dtype, key_channels=key_channels)
         self.lengths = np.zeros(batch, np.int64)
 
     def append(self, k, v, lengths=None):
@@ -231,6 +232,30 @@ def _restore(actor):
     ray.get(actor.__ray_call__.remote(lambda shard: shard._cache.__dict__.pop("attend", None)))
 
 
+def test_int8_shards_share_fixed_key_channel_factors(fd):
+    """key_channels given (as from a prompt's key_channel_scales): every shard
+    uses them, and the result is the local shards' merge, bit for bit, and
+    within tolerance of the reference of what the shards hold."""
+    rng = np.random.default_rng(6)
+    B, Hkv, C, E = 2, 2, 12, 16
+    prompt = randn(rng, (B, Hkv, 30, E))
+    prompt[..., 3] *= 20   # an outlier channel
+    factors = fastattn.cache.key_channel_scales(prompt)
+    cache = fd.ShardedKVCache(3, B, Hkv, C, E, dtype="int8", key_channels=factors)
+    mirror = Mirror(3, B, Hkv, C, E, "int8", key_channels=factors)
+    for c in (cache, mirror):
+        c.append(prompt, prompt, lengths=[30, 25])
+    _fill(rng, [cache, mirror], [1, 1, 2], B, Hkv, E, "int8")
+    q = randn(rng, (B, 4, 1, E))
+    out = cache.attend(q, sinks=[0.0, 1.0, -np.inf, 2.0])
+    _same_bits(out, mirror.attend(q, sinks=[0.0, 1.0, -np.inf, 2.0])[0])
+    k_held, v_held = mirror.held()
+    kw = dict(causal=True, kv_lengths=mirror.lengths, sinks=[0.0, 1.0, -np.inf, 2.0])
+    ref = reference.attention(q, k_held, v_held, **kw)
+    assert float(np.max(np.abs(out - ref))) <= 2 * tolerance(q, k_held, v_held, **kw)
+    cache.close()
+
+
 @pytest.mark.parametrize("compiled", [True, False])
 def test_same_bits_whatever_the_timing(fd, compiled):
     """Shard 0 made slow (0.3 s), then shard 2: the merge runs in shard
@@ -367,6 +392,9 @@ def test_bad_arguments_name_what_they_got(fd):
                           dtype=np.int32)
     with pytest.raises(ValueError, match="timeout must be a finite number of seconds > 0"):
         fd.ShardedKVCache(num_shards=1, batch=1, num_kv_heads=1, capacity_per_shard=4, head_dim=8, timeout=-1)
+    with pytest.raises(ValueError, match="key_channels applies to int8 caches only"):
+        fd.ShardedKVCache(num_shards=1, batch=1, num_kv_heads=1, capacity_per_shard=4, head_dim=8,
+                          key_channels=np.ones(8))
     with pytest.raises(ValueError, match="may not set max_concurrency"):
         fd.ShardedKVCache(num_shards=1, batch=1, num_kv_heads=1, capacity_per_shard=4, head_dim=8,
                           actor_options={"max_concurrency": 4})
