@@ -145,3 +145,23 @@ def test_readme_python_blocks_run(tmp_path):
                            text=True, timeout=120)
         assert r.returncode == 0, f"README block failed:\n{block}\n{r.stderr}"
     assert checked == set(README_CHECKS)
+
+
+def test_distributed_decode_example_runs_and_matches_the_local_cache():
+    """examples/distributed_decode.py (needs Ray): every shard count's steps
+    agree with one local KVCache, the overhead, bytes and model are reported."""
+    pytest.importorskip("ray")
+    args = ["--tokens", "512", "--steps", "20", "--shards", "1,2", "--bandwidth-tokens", "4096",
+            "--bandwidth-repeats", "3"]
+    r = subprocess.run([sys.executable, str(EXAMPLES / "distributed_decode.py"), *args], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = re.findall(r"^\s+(\d) (graph|plain)\s+\d+(?:\s+[\d.]+){5}\s+(\d+)\s+(\S+)$", r.stdout, re.M)
+    assert [(n, path) for n, path, _, _ in rows] == [("1", "graph"), ("2", "graph"), ("1", "plain")], r.stdout
+    for shards, _, nbytes, worst in rows:
+        assert float(worst) <= 1e-3   # float16 cache, float32 queries: merged, not approximated
+        assert int(nbytes) == int(shards) * int(rows[0][2])   # each shard: the same request and reply
+    assert re.search(r"overhead of 1 shard \(graph\) over one local call: median -?[\d.]+ ms", r.stdout)
+    model = re.findall(r"^\s+(1|2|4|8|16)\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+(reads|round trip \+ merge)$",
+                       r.stdout, re.M)
+    assert [m for m, _ in model] == ["1", "2", "4", "8", "16"], r.stdout
