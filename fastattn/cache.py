@@ -270,18 +270,7 @@ class KVCache:
             return None, False
         if dt != np.int8:
             raise ValueError(f"key_channels applies to int8 caches only; this cache stores {dt.name}")
-        c = np.asarray(key_channels)
-        want = self._k.shape[:2] + self._k.shape[3:]
-        if not (c.dtype.kind == "f" or c.dtype.name == "bfloat16"):
-            raise TypeError(f"key_channels must be 'prompt', None or floating factors; got {c.dtype}")
-        try:
-            c = np.broadcast_to(c, want).astype(np.float32)
-        except ValueError:
-            raise ValueError(f"key_channels must broadcast to (batch, num_kv_heads, head_dim) = {want}; "
-                             f"got shape {tuple(c.shape)}") from None
-        if not (np.isfinite(c).all() and (c > 0).all()):
-            raise ValueError("key_channels must be finite and > 0")
-        return c, False
+        return self._check_channels(key_channels), False
 
     # -- shape -------------------------------------------------------------
 
@@ -467,6 +456,62 @@ class KVCache:
         self._lengths[:] = new
         if channels is not None:
             self._k_channels[...], self._channels_fixed[:] = channels, fixed
+
+    def fix_key_channels(self, channels, entries=None):
+        """Give the int8 keys of batch entries that have no channel factors yet
+        these, as their prompt would have (``key_channels="prompt"`` caches).
+
+        For a sequence whose keys are spread over several caches (the shards
+        of :class:`fastattn.distributed.ShardedKVCache`): a cache that first
+        sees the sequence in the middle would otherwise take its factors from
+        whatever rows reach it first, often one decode token; this gives it
+        the prompt's, so every part quantises alike.
+
+        Parameters
+        ----------
+        channels : array_like of float
+            Broadcastable to (batch, num_kv_heads, head_dim), finite and > 0
+            (for example :func:`key_channel_scales` of the prompt's keys).
+        entries : array_like of bool (batch,) or of int, optional
+            Which batch entries; default all.
+
+        Returns
+        -------
+        ndarray of bool, (batch,)
+            The entries that took them: those asked for with no factors yet.
+            The others keep theirs.
+        """
+        if not self._channels_from_prompt:
+            raise ValueError("fix_key_channels is for int8 caches with key_channels='prompt'; this one "
+                             + ("has given factors" if self._k_channels is not None else
+                                f"stores {self.dtype.name} keys without channel factors"))
+        c = self._check_channels(channels)
+        asked = np.full(self.batch, entries is None)
+        try:
+            if entries is not None:
+                asked[np.asarray(entries)] = True
+        except (IndexError, TypeError, ValueError):
+            raise ValueError(f"entries must be batch entry indices or a mask of {self.batch}; "
+                             f"got {entries!r}") from None
+        take = asked & ~self._channels_fixed
+        self._k_channels[take] = c[take]
+        self._channels_fixed |= take
+        return take
+
+    def _check_channels(self, key_channels):
+        """Given factors as float32 (batch, Hkv, E): floating, finite, > 0."""
+        c = np.asarray(key_channels)
+        want = self._k.shape[:2] + self._k.shape[3:]
+        if not (c.dtype.kind == "f" or c.dtype.name == "bfloat16"):
+            raise TypeError(f"key_channels must be 'prompt', None or floating factors; got {c.dtype}")
+        try:
+            c = np.broadcast_to(c, want).astype(np.float32)
+        except ValueError:
+            raise ValueError(f"key_channels must broadcast to (batch, num_kv_heads, head_dim) = {want}; "
+                             f"got shape {tuple(c.shape)}") from None
+        if not (np.isfinite(c).all() and (c > 0).all()):
+            raise ValueError("key_channels must be finite and > 0")
+        return c
 
     def _channels_after(self, k, counts):
         """The key channel factors once this append is stored, and which

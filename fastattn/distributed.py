@@ -22,7 +22,7 @@ except ImportError:  # pragma: no cover - the message is the point
     ) from None
 
 from fastattn._api import _check_window
-from fastattn.cache import KVCache, _positive
+from fastattn.cache import KVCache, _positive, key_channel_scales
 from fastattn.merge import merge_attention
 
 __all__ = ["ShardedKVCache", "ShardError"]
@@ -76,6 +76,9 @@ class _Shard:
     def reset(self):
         self._cache.reset()
 
+    def fix_key_channels(self, channels, entries):
+        self._cache.fix_key_channels(channels, entries)
+
     def lengths(self):
         return self._cache.lengths
 
@@ -119,13 +122,11 @@ class ShardedKVCache:
     batch, num_kv_heads, head_dim, head_dim_v, dtype, key_channels
         As for :class:`fastattn.KVCache` (storage float32, float64, float16,
         ``"bfloat16"`` or ``"int8"``); every shard has them. For int8 keys,
-        ``key_channels="prompt"`` (the default) lets each shard take each
-        entry's channel factors from the first rows *it* receives: the
-        prompt for shard 0, but for a later shard often a single decode
-        token, whose factors are only as good as per-token scales. For
-        decoding, give fixed factors instead (e.g.
-        ``fastattn.cache.key_channel_scales`` of the prompt's keys), which
-        every shard then shares.
+        ``key_channels="prompt"`` (the default) takes each entry's channel
+        factors from its first append, on the driver, and gives them to
+        every shard (:meth:`fastattn.KVCache.fix_key_channels`), so the
+        shards quantise as one cache would; given factors are shared as
+        they are.
     capacity_per_shard : int
         Positions per shard; the cache holds ``num_shards * capacity_per_shard``
         keys per batch entry.
@@ -187,6 +188,13 @@ class ShardedKVCache:
                 threads)
             for s, opts in enumerate(options)]
         self._lengths = np.zeros(self._batch, np.int64)
+        # int8 keys with factors from the prompt: the driver takes them from
+        # each entry's first append and gives them to every shard, so that a
+        # shard that first sees the entry at a later position quantises as
+        # shard 0 does (its own first rows may be a single decode token).
+        self._prompt_channels = one.quantized and one.key_channels is not None and (
+            isinstance(key_channels, str) and key_channels == "prompt")
+        self._channels_fixed = np.zeros(self._batch, bool)
         self._graph = None if compiled else False  # None: compile on the first attend
         # Construction errors (ml_dtypes missing on a node, no room) surface here.
         self._gather([a.ready.remote() for a in self._actors], range(self._num_shards), "start")
@@ -298,7 +306,7 @@ class ShardedKVCache:
                 f"appending {int(counts[b])} needs length {int(new[b])}; nothing was written")
         old_local = self._local(self._lengths)
         new_local = self._local(new)
-        sent = []
+        sent = self._send_prompt_channels(k, counts)
         for s in np.flatnonzero((new_local != old_local).any(axis=1)):
             s = int(s)
             # Entry b's new rows t = 0..n-1 sit at global positions lengths[b] + t;
@@ -316,10 +324,24 @@ class ShardedKVCache:
             raise
         self._lengths = new
 
+    def _send_prompt_channels(self, k, counts):
+        """For entries whose first rows these are: their channel factors, sent
+        to every shard ahead of the rows (each actor runs its calls in order).
+        Returns [(shard, ref)] of those calls. The driver counts the factors
+        as fixed from here on, as the shards do, even if the append fails."""
+        first = ~self._channels_fixed & (counts > 0) if self._prompt_channels else np.zeros(0, bool)
+        if not first.any():
+            return []
+        channels = np.ones((self._batch, self._hkv, self._e), np.float32)
+        for b in np.flatnonzero(first):
+            channels[b] = key_channel_scales(k[b, :, :counts[b]])  # NaN or inf: ValueError, nothing sent
+        self._channels_fixed |= first
+        return [(s, a.fix_key_channels.remote(channels, first)) for s, a in enumerate(self._actors)]
+
     def _roll_back(self, shards, old_local):
         """Truncate the shards that were sent rows back to their old lengths
         (best effort: a dead shard cannot be reached)."""
-        refs = [self._actors[s].truncate.remote(old_local[s]) for s in shards]
+        refs = [self._actors[s].truncate.remote(old_local[s]) for s in sorted(set(shards))]
         ray.wait(refs, num_returns=len(refs), timeout=self._timeout)
 
     def _check_rows(self, x, name, dim):
@@ -495,8 +517,12 @@ class ShardedKVCache:
         self._set_lengths(new, "truncate")
 
     def reset(self):
-        """Empty every batch entry on every shard (buffers kept)."""
-        self._set_lengths(np.zeros(self._batch, np.int64), "reset")
+        """Empty every batch entry on every shard (buffers kept); int8 key
+        channel factors taken from a prompt go with it, as in KVCache.reset."""
+        refs = [a.reset.remote() for a in self._actors]
+        self._lengths = np.zeros(self._batch, np.int64)
+        self._channels_fixed[:] = False
+        self._gather(refs, range(self._num_shards), "reset")
 
     def _set_lengths(self, new, what):
         old_local, new_local = self._local(self._lengths), self._local(new)

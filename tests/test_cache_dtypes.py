@@ -288,6 +288,38 @@ def test_key_channels_given_none_reset_and_refusals():
         KVCache(2, 2, 10, 8, dtype=np.float16, key_channels=given)
 
 
+def test_fix_key_channels_gives_empty_entries_the_prompt_s_factors():
+    """A cache holding a later part of a sequence takes the prompt's factors
+    instead of its own first rows'; entries with factors keep them."""
+    rng = np.random.default_rng(17)
+    k, v = rng.standard_normal((2, 2, 5, 8)), rng.standard_normal((2, 2, 5, 8))
+    prompt_factors = rng.uniform(0.5, 9, (2, 2, 8)).astype(np.float32)
+    part = KVCache(2, 2, 10, 8, dtype="int8")
+    part.append(k[:, :, :2], v[:, :, :2], lengths=[2, 0])  # entry 0 has its own factors now
+    own = part.key_channels[0].copy()
+    took = part.fix_key_channels(prompt_factors)
+    np.testing.assert_array_equal(took, [False, True])
+    np.testing.assert_array_equal(part.key_channels[0], own)
+    np.testing.assert_array_equal(part.key_channels[1], prompt_factors[1])
+    part.append(k[:, :, 2:], v[:, :, 2:], lengths=[0, 3])  # entry 1 quantises with them
+    k8, ks, _ = part.key_buffer
+    want = quantize_int8(k[1, :, 2:5] / prompt_factors[1, :, None, :])
+    np.testing.assert_array_equal(k8[1, :, :3], want[0])
+    np.testing.assert_array_equal(ks[1, :, :3], want[1])
+    fresh = KVCache(2, 2, 10, 8, dtype="int8")
+    np.testing.assert_array_equal(fresh.fix_key_channels(prompt_factors, entries=[1]), [False, True])
+    assert (fresh.key_channels[0] == 1).all()
+    with pytest.raises(ValueError, match="finite and > 0"):
+        fresh.fix_key_channels(np.zeros((2, 2, 8)))
+    with pytest.raises(ValueError, match="entries must be batch entry indices"):
+        fresh.fix_key_channels(prompt_factors, entries=[5])
+    for cache, what in ((KVCache(1, 1, 4, 8, dtype="int8", key_channels=np.ones(8)), "has given factors"),
+                        (KVCache(1, 1, 4, 8, dtype="int8", key_channels=None), "without channel factors"),
+                        (KVCache(1, 1, 4, 8), "stores float32 keys")):
+        with pytest.raises(ValueError, match=what):
+            cache.fix_key_channels(np.ones(8))
+
+
 def test_channel_factors_remove_the_outlier_channel_penalty():
     """The reason for the factors (docs/int8.md): with one key channel 20x
     the others, int8 attention with per-token scales only is an order of

@@ -85,6 +85,17 @@ class Mirror:
         B, n = k.shape[0], k.shape[2]
         counts = np.full(B, n) if lengths is None else np.broadcast_to(lengths, (B,))
         self.whole.append(k, v, lengths=counts)
+        if self.whole.quantized and self.whole.key_channels is not None:
+            # int8 factors from the prompt: each entry's first rows set them on every shard
+            first = (self.lengths == 0) & (counts > 0)
+            channels = np.ones((B,) + self.whole.key_channels.shape[1:], np.float32)
+            for b in np.flatnonzero(first):
+                channels[b] = fastattn.cache.key_channel_scales(k[b, :, :counts[b]])
+            for shard in self.shards:
+                try:
+                    shard.fix_key_channels(channels, first)
+                except ValueError:  # given factors: nothing to fix
+                    break
         for s, shard in enumerate(self.shards):
             lo, hi = s * self.cap, (s + 1) * self.cap
             rows = [[t for t in range(int(counts[b])) if lo <= self.lengths[b] + t < hi] for b in range(B)]
@@ -253,6 +264,38 @@ def test_int8_shards_share_fixed_key_channel_factors(fd):
     kw = dict(causal=True, kv_lengths=mirror.lengths, sinks=[0.0, 1.0, -np.inf, 2.0])
     ref = reference.attention(q, k_held, v_held, **kw)
     assert float(np.max(np.abs(out - ref))) <= 2 * tolerance(q, k_held, v_held, **kw)
+    cache.close()
+
+
+def test_int8_shards_take_the_prompt_s_key_channel_factors(fd):
+    """key_channels="prompt": every shard quantises with the factors of each
+    entry's first append, also shards whose first rows are decode tokens, so
+    the shards hold exactly what one int8 cache holds; reset drops them."""
+    rng = np.random.default_rng(16)
+    B, Hkv, C, E = 2, 2, 10, 16
+    prompt = randn(rng, (B, Hkv, 8, E))
+    prompt[..., 5] *= 20
+    cache = fd.ShardedKVCache(3, B, Hkv, C, E, dtype="int8")
+    mirror = Mirror(3, B, Hkv, C, E, "int8")
+    for c in (cache, mirror):
+        c.append(prompt, prompt, lengths=[8, 6])
+    _fill(rng, [cache, mirror], [3, 4, 1], B, Hkv, E, "int8")  # reaches shards 1 and 2 as decode rows
+    whole = mirror.whole.key_channels
+    for shard in mirror.shards:
+        np.testing.assert_array_equal(shard.key_channels, whole)
+    import ray
+    for actor in cache.actors:
+        got = ray.get(actor.__ray_call__.remote(lambda shard: shard._cache.key_channels))
+        np.testing.assert_array_equal(got, whole)
+    q = randn(rng, (B, 4, 1, E))
+    _same_bits(cache.attend(q), mirror.attend(q)[0])
+    cache.reset()
+    later = randn(rng, (B, Hkv, 3, E)) * 7
+    cache.append(later, later)
+    want = fastattn.cache.key_channel_scales(later)
+    for actor in cache.actors:
+        got = ray.get(actor.__ray_call__.remote(lambda shard: shard._cache.key_channels))
+        np.testing.assert_array_equal(got, want)
     cache.close()
 
 
