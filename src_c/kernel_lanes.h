@@ -11,18 +11,27 @@
  * K's rows broadcast straight from the caller's memory: K and V are never
  * copied or transposed. The softmax state (m, l) and the output accumulator
  * Oᵀ (Ev × BQ) are lane-wise too, so the row max, row sum and rescaling need
- * no horizontal reduction at all.
+ * no horizontal reduction at all. Across key blocks, Oᵀ and l are summed
+ * with compensation (lanes_fold), so their float32 error does not grow with S.
  */
 #define BQ (FA_NV * W)
 #define TILE FN(tile)
 
-/* Scratch of one thread: qt (E × BQ), st (FA_BK × BQ), ot (Ev × BQ), m, l,
- * alpha; converting storage adds a block of K (FA_BK × E) and V (FA_BK × Ev). */
+/* Key blocks summed plainly into ot (and l) before they are folded into the
+ * compensated totals (lanes_fold): an item over at most FA_FOLD · FA_BK keys
+ * never folds, and keeps the bits it had before folds existed. */
+#ifndef FA_FOLD
+#define FA_FOLD 8
+#endif
+
+/* Scratch of one thread: qt (E × BQ), st (FA_BK × BQ), ot, the total tot
+ * and its compensation tc (Ev × BQ each), m, l, alpha, and the totals' lt,
+ * lc, mt; converting storage adds a block of K (FA_BK × E) and V (FA_BK × Ev). */
 static size_t FN(lanes_scratch_bytes)(int64_t E, int64_t Ev) {
     size_t lane_row = (size_t)BQ * sizeof(T);
     size_t kv = FA_CONVERTS ? FN(round_up)((size_t)FA_BK * E * sizeof(T)) + FN(round_up)((size_t)FA_BK * Ev * sizeof(T)) : 0;
     return FN(round_up)((size_t)E * lane_row) + FN(round_up)((size_t)FA_BK * lane_row) +
-           FN(round_up)((size_t)Ev * lane_row) + 3 * FN(round_up)(lane_row) + kv;
+           3 * FN(round_up)((size_t)Ev * lane_row) + 6 * FN(round_up)(lane_row) + kv;
 }
 
 /* From here to softmax_block, and lanes_pack_q, lanes_modify, lanes_store:
@@ -37,8 +46,9 @@ static size_t FN(lanes_scratch_bytes)(int64_t E, int64_t Ev) {
  * and meets NVC vectors of b: up to FA_MR·FA_NV accumulators stay in
  * registers. MRC and NVC are constants wherever this is inlined.
  * The sum starts from 0 and meets c once at the end: O over S keys is then a
- * blocked sum (K terms per block, S/K blocks), whose float32 error grows like
- * (K + S/K)·u, not S·u as one running sum does. */
+ * blocked sum (K terms per block), whose float32 error would still grow like
+ * (K + S/K)·u (not S·u as one running sum does); lanes_fold makes it
+ * independent of S. */
 static inline __attribute__((always_inline)) void TILE(
     const int MRC, const int NVC, VT *restrict c, const T *restrict a, const int64_t a_rs,
     const int64_t a_ks, const VT *restrict b, const int64_t K, const VT *restrict c_scale) {
@@ -206,6 +216,7 @@ static void FN(softmax_block)(int nvc, VT *st, int64_t nb, VT *m, VT *l, VT *alp
 #if !FA_CONVERTS
 typedef struct FN(lanes_bufs) {
     VT *qt, *st, *ot, *m, *l, *alpha;
+    VT *tot, *tc, *lt, *lc, *mt; /* compensated totals (lanes_fold) */
     T *kt, *vt;
 } FN(lanes_bufs);
 #endif
@@ -220,6 +231,11 @@ static CN(lanes_bufs) FN(lanes_carve)(void *scratch, int64_t E, int64_t Ev) {
     s.m = (VT *)p;      p += FN(round_up)(lane_row);
     s.l = (VT *)p;      p += FN(round_up)(lane_row);
     s.alpha = (VT *)p;  p += FN(round_up)(lane_row);
+    s.tot = (VT *)p;    p += FN(round_up)((size_t)Ev * lane_row);
+    s.tc = (VT *)p;     p += FN(round_up)((size_t)Ev * lane_row);
+    s.lt = (VT *)p;     p += FN(round_up)(lane_row);
+    s.lc = (VT *)p;     p += FN(round_up)(lane_row);
+    s.mt = (VT *)p;     p += FN(round_up)(lane_row);
     s.kt = (T *)p;      p += FA_CONVERTS ? FN(round_up)((size_t)FA_BK * E * sizeof(T)) : 0;
     s.vt = (T *)p;
     return s;
@@ -268,12 +284,48 @@ static __attribute__((noinline)) void FN(lanes_modify)(const fa_args *a, VT *st,
         for (int u = 0; u < nvc; u++) st[j * FA_NV + u] += ns[u] * FN(v_abs)(FN(v_splat)((T)j) - dd[u]);
 }
 
-#endif /* !FA_CONVERTS: packing, modifiers */
+/* Folds the plain sums of the last few key blocks, (ot, l) at the running
+ * max m, into the compensated totals (tot + tc, lt + lc) at the max mt of the
+ * previous fold, and moves the totals to m:
+ *     beta = 2^((mt − m)·log2 e),  tot := tot·beta + ot,  lt := lt·beta + l
+ * each a compensated step (v_comp_step). Why: a plain running sum of S/FA_BK
+ * block sums drifts like (S/FA_BK)·u, on values sharing an offset past the
+ * tolerance from 2^16 keys (docs/tuning.md); this way the error is that of
+ * FA_FOLD blocks' plain sum plus about 2u, whatever S. The numerator and
+ * the denominator take the same beta, so its rounding moves both alike and
+ * barely the quotient. first: the totals are empty (no fold yet), so they
+ * are set, not added to. Rows with no visible key yet (m = −inf) keep 0. */
+static void FN(lanes_fold)(int nvc, int64_t Ev, CN(lanes_bufs) s, int first) {
+    const T log2e = (T)1.4426950408889634074;
+    for (int u = 0; u < nvc; u++) {
+        const VT m_sub = FN(v_select)((VU)(s.m[u] == FN(v_splat)(-(T)INFINITY)), (VT){0}, s.m[u]);
+        const VT beta = first ? (VT){0} : FN(v_exp2)((s.mt[u] - m_sub) * log2e);
+        if (first) s.lt[u] = s.lc[u] = (VT){0};
+        FN(v_comp_step)(&s.lt[u], &s.lc[u], beta, s.l[u]);
+        s.mt[u] = s.m[u];
+        for (int64_t i = u; i < Ev * FA_NV; i += FA_NV) {
+            if (first) s.tot[i] = s.tc[i] = (VT){0};
+            FN(v_comp_step)(&s.tot[i], &s.tc[i], beta, s.ot[i]);
+        }
+    }
+}
+
+/* The totals, rounded once, into ot and l for the store. */
+static void FN(lanes_unfold)(int nvc, int64_t Ev, CN(lanes_bufs) s) {
+    for (int u = 0; u < nvc; u++) {
+        s.l[u] = FN(comp_value)(s.lt[u], s.lc[u]);
+        for (int64_t i = u; i < Ev * FA_NV; i += FA_NV) s.ot[i] = FN(comp_value)(s.tot[i], s.tc[i]);
+    }
+}
+
+#endif /* !FA_CONVERTS: packing, modifiers, folds */
 
 /* The block loop: for each key block, scores, modifiers, masks, online softmax, P·V.
  * Leaves Oᵀ unnormalised in ot and each lane's (m, l). The first block
  * starts Oᵀ from 0 (its alpha is 0 anyway), so Oᵀ needs no clearing unless
- * no block is visited at all. */
+ * no block is visited at all; so does the first block after a fold (l is
+ * cleared there). Every FA_FOLD blocks, if more follow, the sums so far go
+ * into the compensated totals; an item that folded folds the rest at the end. */
 static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, const fa_rows *f, const int64_t *lo,
                              const int64_t *hi, const int64_t *m_row, const T *neg_slope, const int64_t *diag,
                              int nvc, CN(lanes_bufs) s) {
@@ -303,6 +355,8 @@ static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, const fa_rows 
     if (f->j_begin >= f->j_end)
         for (int64_t e = 0; e < Ev; e++)
             for (int u = 0; u < nvc; u++) s.ot[e * FA_NV + u] = (VT){0};
+    int64_t fresh = f->j_begin; /* the first block since the last fold */
+    int folds = 0;
     for (int64_t j0 = f->j_begin; j0 < f->j_end; j0 += FA_BK) {
         const int64_t nb = f->j_end - j0 < FA_BK ? f->j_end - j0 : FA_BK;
 #if FA_CONVERTS
@@ -316,7 +370,16 @@ static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, const fa_rows 
         if (modify) CN(lanes_modify)(a, s.st, nvc, j0, nb, neg_slope, diag);
         FN(mask_block)((T *)s.st, 1, BQ, a, f, lo, hi, m_row, rows, j0, nb);
         CN(softmax_block)(nvc, s.st, nb, s.m, s.l, s.alpha);
-        CN(values_tile)(nvc, s.ot, v_blk, v_rs, s.st, Ev, nb, j0 == f->j_begin ? 0 : s.alpha);
+        CN(values_tile)(nvc, s.ot, v_blk, v_rs, s.st, Ev, nb, j0 == fresh ? 0 : s.alpha);
+        if (j0 + FA_BK < f->j_end && j0 + FA_BK - fresh == FA_FOLD * FA_BK) {
+            CN(lanes_fold)(nvc, Ev, s, !folds++);
+            fresh = j0 + FA_BK;
+            for (int u = 0; u < nvc; u++) s.l[u] = (VT){0};
+        }
+    }
+    if (folds) {
+        CN(lanes_fold)(nvc, Ev, s, 0);
+        CN(lanes_unfold)(nvc, Ev, s);
     }
 #undef FA_ROW_SCALE
 }

@@ -60,6 +60,48 @@ static inline VT FN(v_abs)(VT x) {
     return (VT)((VU)x & ~(VU)FN(v_splat)(-(T)0));
 }
 
+/* a·b + c rounded once where the ISA has FMA (AVX2 with -mfma, AVX-512,
+ * arm64), spelled as an intrinsic so that it is never merged with a plain
+ * product of the same operands; elsewhere a·b + c, rounded twice. */
+static inline VT FN(v_fma)(VT a, VT b, VT c) {
+#if FA_VBYTES == 64 && defined(__AVX512F__)
+    return FA_MANT == 23 ? (VT)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c)
+                         : (VT)_mm512_fmadd_pd((__m512d)a, (__m512d)b, (__m512d)c);
+#elif FA_VBYTES == 32 && defined(__FMA__)
+    return FA_MANT == 23 ? (VT)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c)
+                         : (VT)_mm256_fmadd_pd((__m256d)a, (__m256d)b, (__m256d)c);
+#elif FA_VBYTES == 16 && defined(__aarch64__)
+    return FA_MANT == 23 ? (VT)vfmaq_f32((float32x4_t)c, (float32x4_t)a, (float32x4_t)b)
+                         : (VT)vfmaq_f64((float64x2_t)c, (float64x2_t)a, (float64x2_t)b);
+#else
+    return a * b + c;
+#endif
+}
+
+/* One step of a compensated running sum that is rescaled as it goes (the
+ * online softmax's  x := x·s + a  for the output and the denominator):
+ * the value is the pair x + e, e the rounding errors so far, and
+ *     x·s = p + pe  exactly      (pe = fma(x, s, −p); 0 without FMA)
+ *     p + a = t + te             (Fast2Sum: exact when |p| ≥ |a|, which holds
+ *                                 once x holds more than one block)
+ *     x := t,   e := e·s + (pe + te)
+ * so x + e carries the sum to about 2u·Σ|a| whatever the number of steps,
+ * where a plain x := x·s + a drifts by up to (steps)·u (Kahan; the same
+ * bound holds when |p| < |a|, as the first steps). A non-finite x makes e
+ * meaningless: FN(comp_value) drops e then. Every lane is independent. */
+static inline void FN(v_comp_step)(VT *x, VT *e, VT s, VT a) {
+    const VT p = *x * s, pe = FN(v_fma)(*x, s, -p);
+    const VT t = p + a, te = (p - t) + a;
+    *e = FN(v_fma)(*e, s, pe + te);
+    *x = t;
+}
+
+/* x + e, or x where x is not finite (inf or NaN; e is then NaN or ±inf). */
+static inline VT FN(comp_value)(VT x, VT e) {
+    const VU finite = (VU)(FN(v_abs)(x) < FN(v_splat)((T)INFINITY));
+    return x + (VT)(finite & (VU)e);
+}
+
 /* An unaligned load (memcpy compiles to one). */
 static inline VT FN(v_loadu)(const T *x) {
     VT v;

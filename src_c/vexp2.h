@@ -75,6 +75,19 @@ static inline VT FN(v_exp2)(VT x) {
     const __mmask8 under = _mm512_cmp_pd_mask(xv, _mm512_set1_pd(lowest), _CMP_LT_OQ);
     return (VT)_mm512_scalef_pd((__m512d)p, _mm512_mask_mov_pd(n, under, _mm512_set1_pd(-INFINITY)));
 #endif
+#elif FA_VBYTES == 32 && FA_MANT == 23 && defined(__AVX2__)
+    /* AVX2, float: MAXPS(lowest, x) clamps and keeps a NaN x (it returns the
+     * second operand when one is NaN), VROUNDPS rounds to nearest even as the
+     * shifter does, the integer n comes from VCVTPS2DQ (a NaN gives
+     * 0x80000000, which the shift by 23 turns into 0, so NaN stays NaN), and
+     * the underflow mask clears the result with one ANDNPS: the same n, f,
+     * polynomial and 2^n as the portable path below, so the same bits for
+     * every non-NaN x, in about 16 instructions instead of 22. */
+    const __m256 xv = (__m256)x, xc = _mm256_max_ps(_mm256_set1_ps(lowest), xv);
+    const __m256 n = _mm256_round_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const VT p = FN(exp2_poly)((VT)_mm256_sub_ps(xc, n));
+    const __m256i r = _mm256_add_epi32((__m256i)p, _mm256_slli_epi32(_mm256_cvtps_epi32(n), FA_MANT));
+    return (VT)_mm256_andnot_ps(_mm256_cmp_ps(xv, _mm256_set1_ps(lowest), _CMP_LT_OQ), (__m256)r);
 #else
 #if FA_MANT == 23
     const T shifter = 0x1.8p23f;
