@@ -24,7 +24,7 @@ static inline T FN(v_hmax)(VT x) {
  * (FA_FEW × Ev), scores (FA_FEW × FA_BK). */
 static size_t FN(rows_scratch_bytes)(int64_t E, int64_t Ev) {
     const size_t nE = (size_t)((E + W - 1) / W), nEv = (size_t)((Ev + W - 1) / W);
-    return FN(round_up)(FA_FEW * nE * sizeof(VT)) + FN(round_up)(FA_FEW * nEv * sizeof(VT)) +
+    return FN(round_up)(FA_FEW * nE * sizeof(VT)) + 3 * FN(round_up)(FA_FEW * nEv * sizeof(VT)) +
            FN(round_up)(FA_FEW * FA_BK * sizeof(T));
 }
 
@@ -104,6 +104,24 @@ static inline __attribute__((always_inline)) void FN(dot_values_n)(
     }
 }
 
+/* As lanes_fold: the plain sums of the last FA_FOLD blocks, (os, l) at the
+ * running max m, go into the compensated totals (tot + tc, lt + lc) at mt. */
+static void FN(rows_fold)(int64_t rows, int64_t nEv, VT *os, VT *tot, VT *tc, const T *m, const T *l, T *mt,
+                          VT *lt, VT *lc, int first) {
+    const T log2e = (T)1.4426950408889634074;
+    for (int64_t r = 0; r < rows; r++) {
+        const T m_sub = m[r] == -(T)INFINITY ? 0 : m[r];
+        const VT beta = first ? (VT){0} : FN(v_splat)(FN(v_exp2)(FN(v_splat)((mt[r] - m_sub) * log2e))[0]);
+        if (first) lt[r] = lc[r] = (VT){0};
+        FN(v_comp_step)(&lt[r], &lc[r], beta, FN(v_splat)(l[r]));
+        mt[r] = m[r];
+        for (int64_t u = r * nEv; u < (r + 1) * nEv; u++) {
+            if (first) tot[u] = tc[u] = (VT){0};
+            FN(v_comp_step)(&tot[u], &tc[u], beta, os[u]);
+        }
+    }
+}
+
 #define FA_BY_ROWS(R, call)                                                   \
     switch (R) {                                                              \
     case 1: call(1); break;                                                   \
@@ -173,6 +191,8 @@ static void FN(rows_item)(const fa_plan *p, const fa_item *it, void *scratch) {
     char *sp = (char *)scratch;
     VT *qs = (VT *)sp;  sp += FN(round_up)(FA_FEW * (size_t)nE * sizeof(VT));
     VT *os = (VT *)sp;  sp += FN(round_up)(FA_FEW * (size_t)nEv * sizeof(VT));
+    VT *tot = (VT *)sp; sp += FN(round_up)(FA_FEW * (size_t)nEv * sizeof(VT));
+    VT *tc = (VT *)sp;  sp += FN(round_up)(FA_FEW * (size_t)nEv * sizeof(VT));
     T *st = (T *)sp;
 
     int64_t lo[FA_FEW], hi[FA_FEW], q_row[FA_FEW], m_row[FA_FEW];
@@ -188,7 +208,8 @@ static void FN(rows_item)(const fa_plan *p, const fa_item *it, void *scratch) {
         }
         for (int64_t e = E; e < nE * W; e++) dst[e] = 0;
     }
-    T m[FA_FEW], l[FA_FEW], alpha[FA_FEW];
+    T m[FA_FEW], l[FA_FEW], alpha[FA_FEW], mt[FA_FEW];
+    VT lt[FA_FEW], lc[FA_FEW];
     for (int64_t r = 0; r < rows; r++) {
         m[r] = -(T)INFINITY;
         l[r] = 0;
@@ -202,6 +223,8 @@ static void FN(rows_item)(const fa_plan *p, const fa_item *it, void *scratch) {
     else for (int64_t r = 0; r < rows; r++) sink[r] = -(T)INFINITY;
 
     /* The block loop, as in the lane layout. */
+    int64_t fresh = f.j_begin;
+    int folds = 0;
     for (int64_t j0 = f.j_begin; j0 < f.j_end; j0 += FA_BK) {
         const int64_t nb = f.j_end - j0 < FA_BK ? f.j_end - j0 : FA_BK;
 #define FA_CALL(R) FN(dot_scores_n)(R, st, qs, nE, k + j0 * k_rs, k_rs, E, nb)
@@ -218,9 +241,21 @@ static void FN(rows_item)(const fa_plan *p, const fa_item *it, void *scratch) {
         for (int64_t r = 0; r < rows; r++) /* p·(v8·v_scale) = (p·v_scale)·v8; l already has p */
             for (int64_t j = 0; j < nb; j++) st[r * FA_BK + j] *= vs[(j0 + j) * vs_rs];
 #endif
-#define FA_CALL(R) FN(dot_values_n)(R, os, nEv, st, v + j0 * v_rs, v_rs, Ev, nb, alpha, j0 == f.j_begin)
+#define FA_CALL(R) FN(dot_values_n)(R, os, nEv, st, v + j0 * v_rs, v_rs, Ev, nb, alpha, j0 == fresh)
         FA_BY_ROWS(rows, FA_CALL)
 #undef FA_CALL
+        if (j0 + FA_BK < f.j_end && j0 + FA_BK - fresh == FA_FOLD * FA_BK) {
+            FN(rows_fold)(rows, nEv, os, tot, tc, m, l, mt, lt, lc, !folds++);
+            fresh = j0 + FA_BK;
+            for (int64_t r = 0; r < rows; r++) l[r] = 0;
+        }
+    }
+    if (folds) {
+        FN(rows_fold)(rows, nEv, os, tot, tc, m, l, mt, lt, lc, 0);
+        for (int64_t r = 0; r < rows; r++) {
+            l[r] = FN(comp_value)(lt[r], lc[r])[0];
+            for (int64_t u = r * nEv; u < (r + 1) * nEv; u++) os[u] = FN(comp_value)(tot[u], tc[u]);
+        }
     }
 
     /* The store: out = o · (1/l), and lse (the shared finishing step). */

@@ -1,6 +1,6 @@
-"""Float32 accuracy at very long contexts (issue 12, part 3): in the lane layout
+"""Float32 accuracy at very long contexts (issue 12, part 3): in both layouts
 the output sum and the softmax denominator are compensated across key blocks
-(kernel_lanes.h, lanes_fold), so one unsplit call over 2^16 or 2^18 keys with
+(kernel_lanes.h lanes_fold, kernel_rows.h rows_fold), so one unsplit call over 2^16 or 2^18 keys with
 values sharing a large offset stays within a few units of float32 rounding of
 the offset, where a plain running sum of block sums drifted to 25-56 u (1.5-1.7×
 the tolerance; docs/tuning.md has the measurement). The keys are forced into one
@@ -44,21 +44,24 @@ def _inputs(S, L=9, H=2, E=8, ramp=False, seed=0):
     return q, k, v
 
 
-def _unsplit_lanes(q, k, v, threads=None, **kw):
+def _unsplit_lanes(q, k, v, threads=None, layout="lanes", **kw):
     S = k.shape[-2]
-    strategy = {"layout": "lanes", "chunk_keys": S}
+    strategy = {"layout": layout, "chunk_keys": S}
+    if layout == "rows":
+        strategy["rows_per_item"] = min(8, q.shape[-2])
     if threads:
         strategy["threads"] = threads
     plan = _api.plan(q, k, v, strategy, **kw)[0]
-    assert plan["layout"] == "lanes" and plan["key_chunks"] == 1, plan
+    assert plan["layout"] == layout and plan["key_chunks"] == 1, plan
     return _api.attention_with(q, k, v, strategy, **kw)
 
 
+@pytest.mark.parametrize("layout", ["lanes", "rows"])
 @pytest.mark.parametrize("ramp", [False, True], ids=["flat", "rising_scores"])
 @pytest.mark.parametrize("S", [65536, 262144])
-def test_lane_layout_error_does_not_grow_with_keys(isa, S, ramp, record_property):
+def test_error_does_not_grow_with_keys(isa, S, ramp, layout, record_property):
     q, k, v = _inputs(S, ramp=ramp)
-    got = _unsplit_lanes(q, k, v)
+    got = _unsplit_lanes(q, k, v, layout=layout)
     ref = reference.attention(q, k, v)
     err = float(np.max(np.abs(got.astype(f64) - ref)))
     tol = tolerance(q, k, v)
@@ -67,13 +70,15 @@ def test_lane_layout_error_does_not_grow_with_keys(isa, S, ramp, record_property
     assert err <= BOUND_U * U * OFFSET, f"max error {err / (U * OFFSET):.1f} u of the offset at S = {S}"
 
 
-def test_error_is_the_same_at_4k_and_256k_keys(isa):
+@pytest.mark.parametrize("layout", ["lanes", "rows"])
+def test_error_is_the_same_at_4k_and_256k_keys(isa, layout):
     """The growth itself: 64 times the keys, about the same error (a plain
-    sum across blocks measured 9.4 u → 56.5 u here)."""
+    sum across blocks measured 9.4 u → 56.5 u here, lanes; rows 8.3 → 56.5)."""
     errs = []
     for S in (4096, 262144):
         q, k, v = _inputs(S)
-        errs.append(float(np.max(np.abs(_unsplit_lanes(q, k, v).astype(f64) - reference.attention(q, k, v)))))
+        got = _unsplit_lanes(q, k, v, layout=layout)
+        errs.append(float(np.max(np.abs(got.astype(f64) - reference.attention(q, k, v)))))
     assert errs[1] <= max(2 * errs[0], 4 * U * OFFSET), [e / (U * OFFSET) for e in errs]
 
 
@@ -81,14 +86,16 @@ def test_bits_do_not_depend_on_threads_across_folds(isa):
     """Items that fold many times (2^15 keys, rows in several items) give the
     same bits on 1, 2 and 64 threads, unsplit and split into chunks."""
     q, k, v = _inputs(32768, L=70, H=3, E=12)
-    for chunk in (32768, 5000):
-        outs = [_api.attention_with(q, k, v, {"layout": "lanes", "chunk_keys": chunk, "threads": t},
-                                    return_lse=True) for t in (1, 2, 64)]
-        for o, lse in outs[1:]:
-            assert np.array_equal(o, outs[0][0]) and np.array_equal(lse, outs[0][1])
+    for layout, rows in (("lanes", {}), ("rows", {"rows_per_item": 8})):
+        for chunk in (32768, 5000):
+            outs = [_api.attention_with(q, k, v, {"layout": layout, "chunk_keys": chunk, "threads": t, **rows},
+                                        return_lse=True) for t in (1, 2, 64)]
+            for o, lse in outs[1:]:
+                assert np.array_equal(o, outs[0][0]) and np.array_equal(lse, outs[0][1])
 
 
-def test_non_finite_values_survive_the_folds(isa):
+@pytest.mark.parametrize("layout", ["lanes", "rows"])
+def test_non_finite_values_survive_the_folds(isa, layout):
     """+inf in one value column makes that column +inf (not NaN, which the
     compensation term of an infinite sum would be); NaN stays NaN; the other
     columns stay accurate."""
@@ -97,7 +104,7 @@ def test_non_finite_values_survive_the_folds(isa):
     v = np.array(v)
     v[0, 0, 7001, 2] = np.inf
     v[0, 0, 15000, 5] = np.nan
-    got = _unsplit_lanes(q, k, v)
+    got = _unsplit_lanes(q, k, v, layout=layout)
     assert np.all(np.isposinf(got[..., 2])) and np.all(np.isnan(got[..., 5]))
     rest = [0, 1, 3, 4, 6, 7]
     ref = reference.attention(q, k, v[..., rest])

@@ -93,8 +93,9 @@ def _long_context(L, S):
 def test_long_context_with_offset_values_stays_in_tolerance(isa, L, record_property):
     """One running float32 sum of P·V over all 16384 keys drifted to 1.7-4× the
     tolerance here (7-9× at 2^16 keys); summing each 64-key block apart, then
-    the blocks, measures 0.27-0.64× (1.2-1.7× at 2^16 keys: a compensated sum
-    across blocks would be needed there)."""
+    the blocks, measured 0.27-0.64× (1.2-1.7× at 2^16 keys); the blocks are
+    now also compensated every 8 blocks (tests/test_long_context.py checks 2^16
+    and 2^18 keys)."""
     q, k, v, ref, tol = _long_context(L, 16384)
     err = float(np.max(np.abs(fastattn.attention(q, k, v).astype(f64) - ref)))
     record_property("fa_compare", (err, tol))
