@@ -194,8 +194,11 @@ def test_fork_child_after_parallel_call_finishes(record_property):
 
 def test_gil_is_released_during_a_call(record_property):
     """A ticker thread appends the time every millisecond while the main thread
-    runs calls of a few hundred ms on one OpenMP thread: its longest gap stays
-    far below one call (with the GIL held, it would be the whole call)."""
+    runs calls of a few hundred ms on one OpenMP thread: it keeps ticking
+    during the calls (with the GIL held it could not tick once inside a call).
+    Counted as ticks inside the calls, not as the longest gap: on a loaded
+    2-core machine the ticker can be descheduled for a good part of a call
+    (130 ms of 162 ms seen), which says nothing about the GIL."""
     rng = np.random.default_rng(3)
     q = rng.standard_normal((8, 2048, 64)).astype(f32)
     k = rng.standard_normal((8, 6144, 64)).astype(f32)
@@ -211,21 +214,24 @@ def test_gil_is_released_during_a_call(record_property):
     t.start()
     try:
         time.sleep(0.02)
-        durations = []
+        calls = []
         for _ in range(2):
             t0 = time.perf_counter()
             fastattn.attention(q, k, k, num_threads=1)
-            durations.append(time.perf_counter() - t0)
+            calls.append((t0, time.perf_counter()))
     finally:
         done.set()
         t.join()
-    call = min(durations)
-    gaps = np.diff(ticks)
+    call = min(t1 - t0 for t0, t1 in calls)
+    stamps = np.array(ticks)
+    # ticks well inside a call (2 ms from either end: the GIL is taken and given back there)
+    inside = sum(int(np.sum((stamps > t0 + 0.002) & (stamps < t1 - 0.002))) for t0, t1 in calls)
+    gaps = np.diff(stamps)
     record_property("fa_measure", {"gil_call_seconds": call, "gil_longest_stall_seconds": float(gaps.max()),
-                                   "gil_ticks": len(ticks)})
+                                   "gil_ticks": len(ticks), "gil_ticks_inside_calls": inside})
     assert call > 0.05, f"the call took {call:.3f} s: too short to tell"
-    assert len(ticks) > 20, f"only {len(ticks)} ticks"
-    assert gaps.max() < call / 4, f"ticker stalled {gaps.max() * 1e3:.1f} ms during a {call * 1e3:.0f} ms call"
+    assert inside >= 10, (f"only {inside} ticks inside 2 calls of {call * 1e3:.0f} ms or more: the ticker "
+                          f"could not run (longest gap {gaps.max() * 1e3:.1f} ms)")
 
 
 def test_absurd_thread_counts_are_capped_not_fatal(tmp_path):
