@@ -1,0 +1,165 @@
+"""fastattn.transformers: fastattn as a Hugging Face transformers attention backend.
+
+This module owns the mapping from what a transformers model knows (the mask
+factory it asked for, its offsets, the 2-D padding mask, the module's sliding
+window, softcap and sinks) to fastattn's arguments, so the 4-D mask is never
+built when the pattern is one fastattn computes from indices; anything it
+cannot map is materialised by transformers' own sdpa_mask and used as the
+mask (never a wrong answer). It also owns `Cache`, a transformers cache
+backed by fastattn.KVCache. `register()` adds "fastattn" to transformers.
+"""
+import inspect
+
+import numpy as np
+import torch
+import transformers
+from transformers import cache_utils, masking_utils
+from transformers.modeling_utils import AttentionInterface
+
+from fastattn import torch as fat
+from fastattn.cache import KVCache
+
+__all__ = ["register", "attention", "mask", "MaskSpec", "Cache", "NAME"]
+
+NAME = "fastattn"
+
+
+# -- the mask: a description instead of a (B, 1, L, S) tensor --------------------
+
+class MaskSpec:
+    """What transformers' mask stands for, as fastattn's arguments.
+
+    Query row i sits at absolute position ``q_offset + i`` and key j at
+    ``kv_offset + j``. ``pattern`` is "causal" (key position <= query
+    position), "sliding" (and > query position - window) or "full";
+    ``kv_lengths`` (B,) int64 when the padding is on the right only, else
+    ``padding`` a (B, 1, 1, S) bool view (True = real token) for left or
+    mixed padding; both None without padding.
+    """
+
+    def __init__(self, pattern, window, q_offset, kv_offset, kv_length, kv_lengths=None, padding=None):
+        self.pattern, self.window = pattern, window
+        self.q_offset, self.kv_offset, self.kv_length = q_offset, kv_offset, kv_length
+        self.kv_lengths, self.padding = kv_lengths, padding
+
+    def __repr__(self):
+        return (f"MaskSpec({self.pattern}, window={self.window}, q_offset={self.q_offset}, "
+                f"kv_offset={self.kv_offset}, kv_length={self.kv_length}, "
+                f"padding={'right' if self.kv_lengths is not None else None if self.padding is None else 'left'})")
+
+
+def _closure(fn):
+    try:
+        return inspect.getclosurevars(fn).nonlocals
+    except (TypeError, ValueError):
+        return {}
+
+
+def _pattern(mask_function, local_size):
+    """("causal", None), ("sliding", w), ("full", None), or None when the mask
+    function is not one of transformers' plain factories."""
+    if mask_function is masking_utils.causal_mask_function:
+        return "causal", None
+    if mask_function is masking_utils.bidirectional_mask_function:
+        return "full", None
+    if getattr(mask_function, "__qualname__", "") == "and_masks.<locals>.and_mask":
+        parts = _closure(mask_function).get("mask_functions", ())
+        if (len(parts) == 2 and parts[1] is masking_utils.causal_mask_function
+                and getattr(parts[0], "__qualname__", "") == "sliding_window_overlay.<locals>.inner_mask"):
+            w = _closure(parts[0]).get("sliding_window")
+            # kv > q - w: the w keys ending at the query's own position
+            if isinstance(w, int) and w >= 1 and (local_size is None or local_size == w):
+                return "sliding", w
+    return None
+
+
+def _padding(attention_mask, kv_length, kv_offset):
+    """(kv_lengths, padding) from transformers' 2-D bool padding mask."""
+    if attention_mask is None:
+        return None, None
+    pad = masking_utils.prepare_padding_mask(attention_mask, kv_length, kv_offset)
+    pad = pad[:, kv_offset:kv_offset + kv_length].to(torch.bool)
+    if bool(pad.all()):
+        return None, None
+    lengths = pad.sum(dim=1)
+    # right padding only: row b is lengths[b] Trues then Falses
+    prefix = torch.arange(pad.shape[1])[None, :] < lengths[:, None]
+    if torch.equal(prefix, pad):
+        return lengths.to(torch.int64).contiguous(), None
+    return None, pad[:, None, None, :]
+
+
+def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+         attention_mask=None, local_size=None, **kwargs):
+    """transformers' mask interface for "fastattn": a MaskSpec when the
+    pattern is causal, sliding-window causal or full (with any 2-D padding),
+    else the 4-D bool mask transformers' sdpa_mask builds."""
+    mask_function = mask_function or masking_utils.causal_mask_function
+    pattern = _pattern(mask_function, local_size)
+    if pattern is None or not isinstance(q_offset, int) or not isinstance(kv_offset, int):
+        kwargs.pop("allow_is_causal_skip", None)
+        return masking_utils.sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset,
+                                       mask_function=mask_function, attention_mask=attention_mask,
+                                       local_size=local_size, allow_is_causal_skip=False, **kwargs)
+    kv_lengths, padding = _padding(attention_mask, kv_length, kv_offset)
+    return MaskSpec(pattern[0], pattern[1], q_offset, kv_offset, kv_length, kv_lengths, padding)
+
+
+# -- the attention function --------------------------------------------------------
+
+def _kv(t):
+    """A key or value tensor as fastattn.torch takes it: an int8 Cache's layer
+    hands over its (values, scales) pair, anything else is the tensor."""
+    pair = getattr(t, "_fastattn_int8", None)
+    return t if pair is None else pair
+
+
+def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' AttentionInterface signature: query (B, Hq, L, E), key and
+    value (B, Hkv, S, E) read in place (grouped heads included, no repeat_kv).
+    Returns (output (B, L, Hq, Ev) written by the kernel in that layout, None)."""
+    if dropout:
+        raise ValueError(f"fastattn is inference only: dropout must be 0 (is the model in eval()?); "
+                         f"got {dropout}")
+    B, Hq, L, _ = query.shape
+    Ev = value.shape[-1] if not isinstance(_kv(value), tuple) else _kv(value)[0].shape[-1]
+    out = torch.empty((B, L, Hq, Ev), dtype=query.dtype)
+    kw = {"scale": scaling}
+    softcap = kwargs.get("softcap")
+    if softcap is None:
+        softcap = getattr(module, "attn_logit_softcapping", None)
+    if softcap:
+        kw["softcap"] = float(softcap)
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = getattr(module, "sinks", None)
+    if sinks is not None:
+        kw["sinks"] = sinks.detach()
+    sliding = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    spec = attention_mask
+    if isinstance(spec, MaskSpec):
+        kw["q_start"], kw["k_start"] = spec.q_offset, spec.kv_offset
+        kw["causal"] = spec.pattern != "full"
+        if spec.pattern == "sliding":
+            kw["window"] = (spec.window - 1, 0)  # keys d-w+1 … d (transformers: kv > q - w)
+        if spec.kv_lengths is not None:
+            kw["kv_lengths"] = spec.kv_lengths
+        if spec.padding is not None:
+            kw["mask"] = spec.padding
+    elif attention_mask is None:
+        # no mask from transformers: a decoder's last L of the S keys
+        kw["causal"] = bool(kwargs.get("is_causal", getattr(module, "is_causal", True))) and L > 1
+        if kw["causal"] and isinstance(sliding, int) and sliding > 0:
+            kw["window"] = (sliding - 1, 0)
+    else:
+        kw["mask"] = attention_mask
+    fat.attention(query, _kv(key), _kv(value), out=out.transpose(1, 2), **kw)
+    return out, None
+
+
+def register():
+    """Adds "fastattn" to transformers' AttentionInterface and its mask interface,
+    so ``attn_implementation="fastattn"`` (or ``model.set_attn_implementation``)
+    selects it. Idempotent."""
+    AttentionInterface.register(NAME, attention)
+    masking_utils.AttentionMaskInterface.register(NAME, mask)

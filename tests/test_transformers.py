@@ -1,0 +1,160 @@
+"""fastattn.transformers in real transformers models built from configs (random
+weights, nothing downloaded, 2 layers, d_model 64): the same greedy tokens as
+"eager" in float32 (and the first 16 in bfloat16), logits within a stated
+tolerance, left-padded batches, the mask description instead of a 4-D mask,
+the fallback for patterns it cannot map, and the fastattn-backed Cache.
+Skipped without torch or transformers.
+"""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+ft = pytest.importorskip("fastattn.transformers")
+from transformers import masking_utils  # noqa: E402
+
+ft.register()
+
+# Logits of fastattn against eager at real (non-padding) positions, float32:
+# both compute in float32 but sum in different orders (eager: matmul then
+# softmax; fastattn: online softmax in blocks), so they differ by float32
+# rounding, amplified through 2 layers; measured ≤ 6.4e-6 on these models.
+LOGITS_ATOL_F32 = 1e-4
+# bfloat16: eager rounds scores and weights to bfloat16, fastattn keeps them in
+# float32 and rounds only its output; measured ≤ 0.11 here (logits of a few units).
+LOGITS_ATOL_BF16 = 0.25
+
+WINDOW = 5  # sliding window shorter than the prompt, so it matters
+
+
+def _config(name):
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  initializer_range=0.2)  # larger than default: peaky attention, a mistake shows
+    if name == "llama":
+        return transformers.LlamaConfig(**common)
+    if name == "qwen2":
+        return transformers.Qwen2Config(**common)
+    if name == "mistral":
+        return transformers.MistralConfig(sliding_window=WINDOW, **common)
+    if name == "gemma2":
+        return transformers.Gemma2Config(head_dim=16, sliding_window=WINDOW, attn_logit_softcapping=2.0,
+                                         query_pre_attn_scalar=16, final_logit_softcapping=None, **common)
+    if name == "gpt_oss":
+        return transformers.GptOssConfig(head_dim=16, sliding_window=WINDOW, num_local_experts=4,
+                                         num_experts_per_tok=2, **common)
+    raise ValueError(name)
+
+
+MODELS = [n for n, cls in (("llama", "LlamaConfig"), ("qwen2", "Qwen2Config"), ("mistral", "MistralConfig"),
+                           ("gemma2", "Gemma2Config"), ("gpt_oss", "GptOssConfig"))
+          if hasattr(transformers, cls)]
+_CACHE = {}
+
+
+def _model(name, dtype=torch.float32):
+    key = (name, dtype)
+    if key not in _CACHE:
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(_config(name), attn_implementation="eager")
+        if name == "gpt_oss":
+            with torch.no_grad():  # sinks start at zero: make them matter
+                for layer in model.model.layers:
+                    layer.self_attn.sinks.normal_(0, 2)
+        _CACHE[key] = model.to(dtype).eval()
+    return _CACHE[key]
+
+
+def _generate(model, impl, ids, mask=None, n=20, **kw):
+    model.set_attn_implementation(impl)
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, min_new_tokens=n,
+                              pad_token_id=0, **kw)[:, ids.shape[1]:]
+
+
+def _logits(model, impl, ids, mask=None):
+    model.set_attn_implementation(impl)
+    with torch.no_grad():
+        return model(ids, attention_mask=mask).logits.float()
+
+
+def _prompt(B=1, L=11, seed=1):
+    return torch.randint(1, 96, (B, L), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_greedy_tokens_and_logits_float32(name):
+    model, ids = _model(name), _prompt()
+    assert torch.equal(_generate(model, "fastattn", ids), _generate(model, "eager", ids))
+    err = (_logits(model, "fastattn", ids) - _logits(model, "eager", ids)).abs().max().item()
+    assert err <= LOGITS_ATOL_F32
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_left_padded_batch_float32(name):
+    model, ids = _model(name), _prompt(B=3, L=12, seed=2)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # left padding of 4 and 7; the third row has none
+    mask[1, :7] = 0
+    ids = ids * mask
+    assert torch.equal(_generate(model, "fastattn", ids, mask, n=12), _generate(model, "eager", ids, mask, n=12))
+    real = mask.bool()
+    err = (_logits(model, "fastattn", ids, mask) - _logits(model, "eager", ids, mask))[real].abs().max().item()
+    assert err <= LOGITS_ATOL_F32
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_right_padded_forward_float32(name):
+    # right padding (a training-style batch): kv_lengths, no mask
+    model, ids = _model(name), _prompt(B=2, L=10, seed=3)
+    mask = torch.ones_like(ids)
+    mask[0, 6:] = 0
+    real = mask.bool()
+    err = (_logits(model, "fastattn", ids, mask) - _logits(model, "eager", ids, mask))[real].abs().max().item()
+    assert err <= LOGITS_ATOL_F32
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_bfloat16_first_16_tokens(name):
+    model, ids = _model(name, torch.bfloat16), _prompt(seed=4)
+    assert torch.equal(_generate(model, "fastattn", ids, n=16), _generate(model, "eager", ids, n=16))
+    err = (_logits(model, "fastattn", ids) - _logits(model, "eager", ids)).abs().max().item()
+    assert err <= LOGITS_ATOL_BF16
+
+
+def test_mask_is_described_not_built():
+    kw = dict(batch_size=2, q_length=3, kv_length=8, q_offset=5, kv_offset=0)
+    spec = ft.mask(mask_function=masking_utils.causal_mask_function, **kw)
+    assert isinstance(spec, ft.MaskSpec) and spec.pattern == "causal" and spec.q_offset == 5
+    spec = ft.mask(mask_function=masking_utils.sliding_window_causal_mask_function(4), local_size=4, **kw)
+    assert (spec.pattern, spec.window) == ("sliding", 4)
+    right = torch.tensor([[1] * 6 + [0] * 2, [1] * 8]).bool()
+    spec = ft.mask(mask_function=masking_utils.causal_mask_function, attention_mask=right, **kw)
+    assert spec.kv_lengths.tolist() == [6, 8] and spec.padding is None
+    left = torch.tensor([[0] * 2 + [1] * 6, [1] * 8]).bool()
+    spec = ft.mask(mask_function=masking_utils.causal_mask_function, attention_mask=left, **kw)
+    assert spec.kv_lengths is None and spec.padding.shape == (2, 1, 1, 8)
+    assert spec.padding[0, 0, 0].tolist() == left[0].tolist()
+
+
+def test_unknown_pattern_falls_back_to_the_mask():
+    # a chunked pattern: fastattn has no such restriction, so transformers builds the mask
+    fn = masking_utils.and_masks(masking_utils.causal_mask_function, lambda b, h, q, kv: kv % 2 == 0)
+    m = ft.mask(2, 3, 8, 5, 0, mask_function=fn)
+    assert isinstance(m, torch.Tensor) and m.shape == (2, 1, 3, 8) and m.dtype == torch.bool
+
+    class Module(torch.nn.Module):
+        is_causal = True
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(2, 4, 3, 8, generator=g), torch.randn(2, 2, 8, 8, generator=g), \
+        torch.randn(2, 2, 8, 8, generator=g)
+    out, _ = ft.attention(Module(), q, k, v, m, scaling=0.5)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=0.5, enable_gqa=True)
+    assert torch.allclose(out, want.transpose(1, 2), atol=1e-6)
+
+
+def test_dropout_is_refused():
+    q = torch.zeros(1, 2, 1, 8)
+    with pytest.raises(ValueError, match="dropout must be 0"):
+        ft.attention(torch.nn.Module(), q, q, q, None, dropout=0.1)
