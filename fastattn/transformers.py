@@ -8,7 +8,9 @@ cannot map is materialised by transformers' own sdpa_mask and used as the
 mask (never a wrong answer). It also owns `Cache`, a transformers cache
 backed by fastattn.KVCache. `register()` adds "fastattn" to transformers.
 """
+import functools
 import inspect
+import warnings
 
 import numpy as np
 import torch
@@ -19,7 +21,7 @@ from transformers.modeling_utils import AttentionInterface
 from fastattn import torch as fat
 from fastattn.cache import KVCache
 
-__all__ = ["register", "attention", "mask", "MaskSpec", "Cache", "NAME"]
+__all__ = ["register", "attention", "mask", "MaskSpec", "Cache", "CacheLayer", "NAME"]
 
 NAME = "fastattn"
 
@@ -163,3 +165,136 @@ def register():
     selects it. Idempotent."""
     AttentionInterface.register(NAME, attention)
     masking_utils.AttentionMaskInterface.register(NAME, mask)
+
+
+# -- the cache: transformers' Cache over fastattn.KVCache ---------------------------
+
+_STORAGE = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
+            torch.bfloat16: "bfloat16", "float32": np.float32, "float64": np.float64,
+            "float16": np.float16, "bfloat16": "bfloat16", "int8": "int8"}
+
+
+def _to_numpy(t):
+    """A CPU tensor as a NumPy view of the same memory (bfloat16 through
+    ml_dtypes, which a bfloat16 KVCache needs anyway)."""
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def _to_torch(a):
+    """A read-only NumPy buffer view as a torch tensor over the same memory
+    (nothing ever writes through it: KVCache.append is the only writer)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch warns that the array is not writable
+        if a.dtype.name == "bfloat16":
+            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(a)
+
+
+class CacheLayer(cache_utils.CacheLayerMixin):
+    """One attention layer's keys and values in a fastattn.KVCache, allocated
+    on the first update (batch, heads and head dims come from the first keys)
+    with ``capacity`` rows per batch entry, appended in place.
+
+    update() returns torch views of the filled rows: the kernel reads them
+    where they are. For a 16- or 32-bit float storage they are ordinary tensors
+    of that dtype; for int8 they are the int8 values, carrying the
+    (values, scales) pair that only the "fastattn" attention reads.
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self, capacity, dtype=None, **kwargs):
+        super().__init__()
+        self.capacity, self.storage = capacity, dtype
+        self.cache = None
+
+    def lazy_initialization(self, key_states, value_states):
+        B, Hkv, _, E = key_states.shape
+        storage = _STORAGE[self.storage if self.storage is not None else key_states.dtype]
+        self.device = key_states.device
+        self.cache = KVCache(B, Hkv, self.capacity, E, value_states.shape[-1], dtype=storage)
+        self._k, self._v = (self._views(x) for x in (self.cache.key_buffer, self.cache.value_buffer))
+        self.is_initialized = True
+
+    @staticmethod
+    def _views(buffer):
+        if isinstance(buffer, tuple):  # int8: (values, scales)
+            return tuple(_to_torch(x) for x in buffer)
+        return _to_torch(buffer)
+
+    def _filled(self, views, n):
+        if isinstance(views, tuple):
+            values, scales = views[0][:, :, :n], views[1][:, :, :n]
+            values._fastattn_int8 = (values, scales)
+            return values
+        return views[:, :, :n]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.device.type != "cpu":
+            raise ValueError(f"fastattn.transformers.Cache holds CPU tensors; got keys on {key_states.device}")
+        # the one copy of a step: the new rows, rounded or quantised into the buffers
+        self.cache.append(_to_numpy(key_states), _to_numpy(value_states))
+        n = self.get_seq_length()
+        self.keys, self.values = self._filled(self._k, n), self._filled(self._v, n)
+        return self.keys, self.values
+
+    def get_seq_length(self):
+        return 0 if self.cache is None else int(self.cache.lengths[0])
+
+    def get_mask_sizes(self, query_length):
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self):
+        return self.capacity
+
+    def reset(self):
+        if self.cache is not None:
+            self.cache.reset()
+
+    def crop(self, tokens_to_remove):
+        if tokens_to_remove > 0:  # transformers' legacy meaning: the length to keep
+            tokens_to_remove = tokens_to_remove - self.get_seq_length()
+        if self.cache is not None and tokens_to_remove < 0:
+            self.cache.truncate(max(0, self.get_seq_length() + tokens_to_remove))
+
+    def _unsupported(self, *args):
+        raise NotImplementedError("fastattn.transformers.Cache keeps one batch as allocated: beam search and "
+                                  "batch reordering are not supported (use greedy or sampling)")
+
+    reorder_cache = batch_repeat_interleave = batch_select_indices = _unsupported
+
+
+class Cache(cache_utils.Cache):
+    """A transformers Cache whose layers are fastattn.KVCache buffers.
+
+    Parameters
+    ----------
+    max_cache_len : int
+        Rows allocated per layer and batch entry: prompt plus new tokens.
+    dtype : {None, torch.float32, torch.float16, torch.bfloat16, torch.float64, "int8"}
+        Storage; None: the model's key dtype. "bfloat16" and "int8" round or
+        quantise each new row once on the way in (bfloat16 storage needs
+        ml_dtypes). Any storage other than the model's own dtype (int8 in
+        particular) is read by the "fastattn" attention only.
+
+    Usage: ``model.generate(ids, past_key_values=Cache(max_cache_len=...))``
+    with ``attn_implementation="fastattn"``. A decoding step appends one row
+    per layer in place and attention reads the buffers where they are.
+    """
+
+    def __init__(self, max_cache_len, dtype=None):
+        if not isinstance(max_cache_len, int) or isinstance(max_cache_len, bool) or max_cache_len < 1:
+            raise ValueError(f"max_cache_len must be a positive int; got {max_cache_len!r}")
+        if dtype is not None and dtype not in _STORAGE:
+            raise TypeError("dtype must be None, torch.float32, torch.float64, torch.float16, torch.bfloat16 "
+                            f"or 'int8'; got {dtype!r}")
+        super().__init__(layer_class_to_replicate=functools.partial(CacheLayer, max_cache_len, dtype))
+        self.max_cache_len = max_cache_len

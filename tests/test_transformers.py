@@ -158,3 +158,64 @@ def test_dropout_is_refused():
     q = torch.zeros(1, 2, 1, 8)
     with pytest.raises(ValueError, match="dropout must be 0"):
         ft.attention(torch.nn.Module(), q, q, q, None, dropout=0.1)
+
+
+# -- the fastattn-backed Cache ---------------------------------------------------
+
+# int8 storage: each key and value row is off by up to max|row|/254, so the
+# logits move; measured ≤ 0.14 on these models (logits up to ~10).
+LOGITS_ATOL_INT8 = 0.25
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_cache_same_tokens_as_eager_float32(name):
+    model, ids = _model(name), _prompt(B=2, seed=7)
+    cache = ft.Cache(max_cache_len=40)
+    assert torch.equal(_generate(model, "fastattn", ids, n=16, cache=cache), _generate(model, "eager", ids, n=16))
+    assert cache.get_seq_length() == 11 + 16 - 1  # the last token is never fed back
+    assert all(isinstance(layer, ft.CacheLayer) for layer in cache.layers)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_cache_bfloat16_storage(name):
+    pytest.importorskip("ml_dtypes")
+    model, ids = _model(name, torch.bfloat16), _prompt(seed=4)
+    cache = ft.Cache(max_cache_len=40)
+    assert torch.equal(_generate(model, "fastattn", ids, n=16, cache=cache), _generate(model, "eager", ids, n=16))
+    assert cache.layers[0].keys.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_cache_int8_logits(name):
+    model, ids = _model(name), _prompt(B=2, seed=7)
+    model.set_attn_implementation("fastattn")
+    with torch.no_grad():
+        int8 = model(ids, cache=ft.Cache(32, "int8")).logits
+        full = model(ids, cache=ft.Cache(32)).logits
+    assert (int8 - full).abs().max().item() <= LOGITS_ATOL_INT8
+    assert _generate(model, "fastattn", ids, n=6, cache=ft.Cache(32, "int8")).shape == (2, 6)
+
+
+def test_cache_appends_in_place_without_copies():
+    model, ids = _model("llama"), _prompt(seed=8)
+    cache = ft.Cache(max_cache_len=30)
+    _generate(model, "fastattn", ids, n=3, cache=cache)
+    layer = cache.layers[1]
+    buffer = layer.cache.key_buffer
+    # the keys attention read are a view of the preallocated buffer, not a copy
+    assert layer.keys.data_ptr() == buffer.__array_interface__["data"][0]
+    assert layer.keys.shape[2] == 13 and layer.cache.lengths.tolist() == [13]  # 11 + 3 - 1
+    step = torch.randn(1, 2, 1, 16)
+    keys, _ = layer.update(step, step)
+    assert keys.data_ptr() == buffer.__array_interface__["data"][0]
+    assert torch.equal(keys[:, :, -1:], step)
+
+
+def test_cache_errors():
+    with pytest.raises(ValueError, match="max_cache_len must be a positive int; got 0"):
+        ft.Cache(0)
+    with pytest.raises(TypeError, match="dtype must be None, torch.float32"):
+        ft.Cache(8, dtype=torch.int32)
+    model, ids = _model("llama"), _prompt(seed=9)
+    with pytest.raises(ValueError, match="KVCache capacity 12 exceeded"):
+        _generate(model, "fastattn", ids, n=4, cache=ft.Cache(12))
