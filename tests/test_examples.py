@@ -145,3 +145,14 @@ def test_readme_python_blocks_run(tmp_path):
                            text=True, timeout=120)
         assert r.returncode == 0, f"README block failed:\n{block}\n{r.stderr}"
     assert checked == set(README_CHECKS)
+
+
+def test_hf_generate_example_gives_eager_tokens():
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    r = _run([sys.executable, str(EXAMPLES / "hf_generate.py"), "--tokens", "6", "--prompt", "24",
+              "--d-model", "64", "--heads", "4", "--kv-heads", "2", "--vocab", "200"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "same tokens with fastattn and eager: yes" in r.stdout
+    for impl in ("eager", "sdpa", "fastattn"):
+        assert re.search(rf"^{impl}\s+\d+\.\d\s+\d+\.\d\d$", r.stdout, re.M), impl

@@ -219,3 +219,21 @@ def test_cache_errors():
     model, ids = _model("llama"), _prompt(seed=9)
     with pytest.raises(ValueError, match="KVCache capacity 12 exceeded"):
         _generate(model, "fastattn", ids, n=4, cache=ft.Cache(12))
+
+
+def test_hf_bench_group_table():
+    from fastattn.__main__ import _shapes
+    from fastattn.bench import hf
+    assert _shapes("hf") == "hf"
+    results = [
+        {"impl": "sdpa", "dtype": "float32", "context": 4096, "prefill_tok_s": 500.0, "decode_tok_s": 20.0,
+         "prefill_token": 7, "decode_tokens": [1, 2]},
+        {"impl": "eager", "dtype": "float32", "context": 4096, "prefill_tok_s": 400.0, "decode_tok_s": 10.0,
+         "prefill_token": 7, "decode_tokens": [1, 2]},
+        {"impl": "fastattn", "dtype": "float32", "context": 4096, "prefill_tok_s": 600.0, "decode_tok_s": 30.0,
+         "prefill_token": 7, "decode_tokens": [1, 3]},
+    ]
+    text = hf.table(results, ["float32"], [4096], ["sdpa", "eager", "fastattn"])
+    assert "| float32 | 4096 | prefill | 500.0 | 400.0 | 600.0 | 1.20× | yes |" in text
+    assert "| float32 | 4096 | decode | 20.0 | 10.0 | 30.0 | 1.50× | no |" in text
+    assert "memory" in hf.skip_reason("eager", 16384, "prefill") and hf.skip_reason("sdpa", 16384, "prefill") is None
