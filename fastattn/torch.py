@@ -10,6 +10,7 @@ Inference only. `import fastattn` never imports this module (nor torch).
 import math
 import numbers
 import operator
+from typing import Optional
 
 import numpy as np
 import torch
@@ -325,10 +326,10 @@ def _out_shape_4d(q, k):
 
 
 @torch.library.custom_op("fastattn::attention", mutates_args=())
-def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None,
-                  v_scale: torch.Tensor | None, mask: torch.Tensor | None, causal: int, align: int,
-                  wl: int, wr: int, kv_lengths: torch.Tensor | None, scale: float, softcap: float,
-                  sinks: torch.Tensor | None, q_start: torch.Tensor | None, k_start: torch.Tensor | None,
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: Optional[torch.Tensor],
+                  v_scale: Optional[torch.Tensor], mask: Optional[torch.Tensor], causal: int, align: int,
+                  wl: int, wr: int, kv_lengths: Optional[torch.Tensor], scale: float, softcap: float,
+                  sinks: Optional[torch.Tensor], q_start: Optional[torch.Tensor], k_start: Optional[torch.Tensor],
                   threads: int) -> torch.Tensor:
     """(B, Hq, L, Ev) in q's dtype, for checked 4-D tensors."""
     out = q.new_empty(_out_shape_4d(q, k) + (v.shape[3],))
@@ -345,11 +346,11 @@ def _(q, k, v, k_scale, v_scale, mask, causal, align, wl, wr, kv_lengths, scale,
 
 @torch.library.custom_op("fastattn::attention_out", mutates_args=("out",))
 def _attention_out_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                      k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-                      mask: torch.Tensor | None, causal: int, align: int, wl: int, wr: int,
-                      kv_lengths: torch.Tensor | None, scale: float, softcap: float,
-                      sinks: torch.Tensor | None, q_start: torch.Tensor | None,
-                      k_start: torch.Tensor | None, threads: int) -> None:
+                      k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
+                      mask: Optional[torch.Tensor], causal: int, align: int, wl: int, wr: int,
+                      kv_lengths: Optional[torch.Tensor], scale: float, softcap: float,
+                      sinks: Optional[torch.Tensor], q_start: Optional[torch.Tensor],
+                      k_start: Optional[torch.Tensor], threads: int) -> None:
     """Writes into out, a (B, Hq, L, Ev) view (any strides, last axis contiguous)."""
     _run(q, k, v, out, k_scale, v_scale, mask, causal, align, wl, wr, kv_lengths, scale, softcap,
          sinks, q_start, k_start, threads)
