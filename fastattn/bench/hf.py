@@ -25,11 +25,25 @@ ABOUT = {
     "noop-kvcache": "attention replaced by a no-op, fastattn's Cache: weights, MLP and the in-place append",
 }
 DECODE_STEPS, DECODE_WARMUP = 10, 2
+# Each case runs in ROUNDS processes, the implementations alternating within a
+# round, so a change in the machine's load falls on all of them; the table
+# takes the median over rounds. A prefill at the longest context runs once.
+ROUNDS = 3
 EAGER_LIMIT = 4096  # eager stores Hq·L·S float scores per layer: 17 GB at 16384, past this machine's memory
 
 
 def prefill_repeats(context):
-    return 3 if context <= 4096 else 1
+    return 3 if context <= 512 else 1
+
+
+def phases(impl, context, round_):
+    """What a round's process of ``impl`` times: the no-op with transformers'
+    cache differs from the other no-op only in decoding; the longest
+    prefill runs in the first round only."""
+    p = ["decode"]
+    if impl != "noop" and not skip_reason(impl, context, "prefill") and (context < max(CONTEXTS) or round_ == 0):
+        p.insert(0, "prefill")
+    return p
 
 
 def skip_reason(impl, context, phase):
@@ -144,7 +158,7 @@ def table(results, dtypes, contexts, impls):
                     r = by.get((impl, dtype, context), {})
                     v = r.get(f"{phase}_tok_s")
                     cells.append(f"{v:.1f}" if v else "skipped" if skip_reason(impl, context, phase)
-                                 else r.get("error", "—")[:40])
+                                 else r.get("error", "n/a")[:40])
                 fa, sd = (by.get((i, dtype, context), {}).get(f"{phase}_tok_s") for i in ("fastattn", "sdpa"))
                 ratio = f"{fa / sd:.2f}×" if fa and sd else "—"
                 lines.append(f"| {dtype} | {context} | {phase} | " + " | ".join(cells) + f" | {ratio} | "
@@ -162,12 +176,28 @@ def _same_tokens(by, dtype, context, phase):
     return ("yes" if got == ref else "no") + ("" if ref_impl == "eager" else " (vs sdpa)")
 
 
-def main(args=None, contexts=CONTEXTS, impls=IMPLS, out=sys.stdout):
+def _median_over_rounds(rounds):
+    """One result from a case's rounds: the median of each timing, the tokens of the first."""
+    merged = dict(rounds[0])
+    for key in ("prefill_tok_s", "decode_tok_s"):
+        values = [r[key] for r in rounds if key in r]
+        if values:
+            merged[key] = statistics.median(values)
+            merged[key.replace("tok_s", "rounds")] = values
+    for key in ("prefill_token", "decode_tokens"):
+        merged.setdefault(key, next((r[key] for r in rounds if key in r), None))
+    errors = [r["error"] for r in rounds if "error" in r]
+    if errors and "decode_tok_s" not in merged:
+        merged["error"] = errors[0]
+    return merged
+
+
+def main(args=None, contexts=CONTEXTS, impls=IMPLS, rounds=ROUNDS, out=sys.stdout):
     """`python -m fastattn bench --shapes hf [--dtype float32,bfloat16] [--json FILE]`."""
     dtypes = [d for d in (getattr(args, "dtype", None) or ["float32", "bfloat16"]) if d in ("float32", "bfloat16")]
     try:
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
+        import torch
+        import transformers
     except ImportError as e:
         print(f"the hf group needs torch and transformers (pip install 'fastattn[transformers]'): {e}", file=out)
         return 1
@@ -176,20 +206,24 @@ def main(args=None, contexts=CONTEXTS, impls=IMPLS, out=sys.stdout):
           f"{MODEL['num_attention_heads']}/{MODEL['num_key_value_heads']} heads, vocab {MODEL['vocab_size']}; "
           f"{cpu_model()}, {os.cpu_count()} CPUs; torch {torch.__version__}, transformers "
           f"{transformers.__version__}", file=out)
-    print(f"# each implementation in its own process; prefill: median of {prefill_repeats(512)} "
-          f"({prefill_repeats(16384)} at 16384) forwards; decode: median of {DECODE_STEPS} steps after "
+    print(f"# each implementation in its own process, {rounds} rounds alternating them, median over rounds; "
+          f"prefill: a forward over `context` tokens (median of {prefill_repeats(512)} at 512; at "
+          f"{max(contexts)} the first round only); decode: median of {DECODE_STEPS} steps after "
           f"{DECODE_WARMUP}, from a cache of `context` random keys", file=out)
     for impl in impls:
         print(f"#   {impl}: {ABOUT[impl]}", file=out)
     results = []
     for dtype in dtypes:
         for context in contexts:
-            for impl in impls:
-                r = run_case(impl, dtype, context)
-                results.append(r)
-                print(f"# {dtype} {context} {impl}: " + ", ".join(
-                    f"{k} {r[k]:.1f}" for k in ("prefill_tok_s", "decode_tok_s") if k in r)
-                    + (f" error: {r['error']}" if "error" in r else ""), file=sys.stderr, flush=True)
+            runs = {impl: [] for impl in impls}
+            for round_ in range(rounds):
+                for impl in impls:
+                    r = run_case(impl, dtype, context, phases(impl, context, round_))
+                    runs[impl].append(r)
+                    print(f"# {dtype} {context} round {round_} {impl}: " + ", ".join(
+                        f"{k} {r[k]:.2f}" for k in ("prefill_tok_s", "decode_tok_s") if k in r)
+                        + (f" error: {r['error']}" if "error" in r else ""), file=sys.stderr, flush=True)
+            results += [_median_over_rounds(runs[impl]) for impl in impls]
     print(table(results, dtypes, contexts, impls), file=out)
     if getattr(args, "json", None):
         with open(args.json, "w") as f:
@@ -203,13 +237,14 @@ def _cli(argv):
     p.add_argument("--dtype", type=lambda s: s.split(","), default=["float32", "bfloat16"])
     p.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")], default=list(CONTEXTS))
     p.add_argument("--impls", type=lambda s: s.split(","), default=list(IMPLS))
+    p.add_argument("--rounds", type=int, default=ROUNDS)
     p.add_argument("--json")
     a = p.parse_args(argv)
     if a.child:
         impl, dtype, context, phases = a.child
         print(json.dumps(child(impl, dtype, int(context), phases.split(","))))
         return 0
-    return main(a, a.contexts, a.impls)
+    return main(a, a.contexts, a.impls, a.rounds)
 
 
 if __name__ == "__main__":
