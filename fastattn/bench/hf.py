@@ -132,10 +132,13 @@ def child(impl, dtype, context, phases):
 
 # -- the parent: a process per case, then the table ----------------------------------
 
-def run_case(impl, dtype, context, phases=("prefill", "decode"), timeout=1800):
+def run_case(impl, dtype, context, phases=("prefill", "decode"), threads=None, timeout=1800):
+    """One child process; threads (torch's and fastattn's, through
+    OMP_NUM_THREADS) or None for their defaults."""
     cmd = [sys.executable, "-m", "fastattn.bench.hf", "--child", impl, dtype, str(context), ",".join(phases)]
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"impl": impl, "dtype": dtype, "context": context, "error": f"timed out after {timeout} s"}
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
@@ -195,6 +198,7 @@ def _median_over_rounds(rounds):
 def main(args=None, contexts=CONTEXTS, impls=IMPLS, rounds=ROUNDS, out=sys.stdout):
     """`python -m fastattn bench --shapes hf [--dtype float32,bfloat16] [--json FILE]`."""
     dtypes = [d for d in (getattr(args, "dtype", None) or ["float32", "bfloat16"]) if d in ("float32", "bfloat16")]
+    threads = (getattr(args, "threads", None) or [None])[0]
     try:
         import torch
         import transformers
@@ -205,7 +209,7 @@ def main(args=None, contexts=CONTEXTS, impls=IMPLS, rounds=ROUNDS, out=sys.stdou
     print(f"# transformers Llama, {MODEL['num_hidden_layers']} layers, d_model {MODEL['hidden_size']}, "
           f"{MODEL['num_attention_heads']}/{MODEL['num_key_value_heads']} heads, vocab {MODEL['vocab_size']}; "
           f"{cpu_model()}, {os.cpu_count()} CPUs; torch {torch.__version__}, transformers "
-          f"{transformers.__version__}", file=out)
+          f"{transformers.__version__}; threads: {threads or 'the default (all CPUs)'}", file=out)
     print(f"# each implementation in its own process, {rounds} rounds alternating them, median over rounds; "
           f"prefill: a forward over `context` tokens (median of {prefill_repeats(512)} at 512; at "
           f"{max(contexts)} the first round only); decode: median of {DECODE_STEPS} steps after "
@@ -218,7 +222,7 @@ def main(args=None, contexts=CONTEXTS, impls=IMPLS, rounds=ROUNDS, out=sys.stdou
             runs = {impl: [] for impl in impls}
             for round_ in range(rounds):
                 for impl in impls:
-                    r = run_case(impl, dtype, context, phases(impl, context, round_))
+                    r = run_case(impl, dtype, context, phases(impl, context, round_), threads)
                     runs[impl].append(r)
                     print(f"# {dtype} {context} round {round_} {impl}: " + ", ".join(
                         f"{k} {r[k]:.2f}" for k in ("prefill_tok_s", "decode_tok_s") if k in r)
@@ -238,6 +242,7 @@ def _cli(argv):
     p.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")], default=list(CONTEXTS))
     p.add_argument("--impls", type=lambda s: s.split(","), default=list(IMPLS))
     p.add_argument("--rounds", type=int, default=ROUNDS)
+    p.add_argument("--threads", type=lambda s: [int(s)], help="torch's and fastattn's threads (OMP_NUM_THREADS)")
     p.add_argument("--json")
     a = p.parse_args(argv)
     if a.child:
