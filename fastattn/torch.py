@@ -7,22 +7,20 @@ bfloat16 needs no ml_dtypes), and the `fastattn::attention` custom op with its
 fake implementation, so a torch.compile'd model calls it without a graph break.
 Inference only. `import fastattn` never imports this module (nor torch).
 """
-import math
-import numbers
-import operator
 from typing import Optional
 
 import numpy as np
 import torch
 
 from fastattn import _kernel
+# the scalar arguments are checked as fastattn.attention checks them (the same messages)
+from fastattn._api import _causal, _check_softcap, _check_window, _scale, _threads
 
 __all__ = ["attention", "scaled_dot_product_attention"]
 
 _CODES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
           torch.bfloat16: "bfloat16", torch.int8: "int8"}
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_CAUSAL = {False: (0, 0), None: (0, 0), True: (1, 0), "bottom_right": (1, 0), "top_left": (1, 1)}
 
 
 def _code(dtype):
@@ -101,52 +99,6 @@ def _broadcast_batch(tensors, names):
 def _strides(x, B):
     # element strides of batch, head, row; a batch of 1 broadcast has stride 0
     return (0 if x.shape[0] == 1 and B != 1 else x.stride(0), x.stride(1), x.stride(2))
-
-
-def _check_window(window):
-    if window is None:
-        return -1, -1
-    try:
-        left, right = (operator.index(w) for w in window)
-    except (TypeError, ValueError):
-        raise TypeError(f"window must be None or a pair of ints (left, right); got {window!r}") from None
-    if left < -1 or right < -1:
-        raise ValueError(f"window must be (left, right) with each >= -1 (-1: unbounded); got ({left}, {right})")
-    return left, right
-
-
-def _check_scale(scale, E):
-    if scale is None:
-        return 1.0 / math.sqrt(E)
-    if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
-        raise TypeError(f"scale must be a real number or None; got {scale!r}")
-    s = float(scale)
-    if not math.isfinite(s):
-        raise ValueError(f"scale must be finite; got {s}")
-    return s
-
-
-def _check_softcap(softcap):
-    if softcap is None:
-        return 0.0
-    if not isinstance(softcap, numbers.Real) or isinstance(softcap, bool):
-        raise TypeError(f"softcap must be None or a positive real number; got {softcap!r}")
-    c = float(softcap)
-    if not (c > 0 and math.isfinite(c)):
-        raise ValueError(f"softcap must be a finite number > 0 (None: off); got {c}")
-    return c
-
-
-def _check_threads(num_threads):
-    if num_threads is None:
-        return 0
-    try:
-        n = operator.index(num_threads)
-    except TypeError:
-        raise TypeError(f"num_threads must be an int or None; got {num_threads!r}") from None
-    if n < 1:
-        raise ValueError(f"num_threads must be >= 1 (or None for the OpenMP default); got {n}")
-    return min(n, 2**31 - 1)
 
 
 def _per_batch(x, name, B, dtype=torch.int64):
@@ -265,14 +217,11 @@ def _prepare(q, k, v, mask, causal, window, kv_lengths, scale, softcap, sinks, q
     c.k_scale = None if k_scale is None else _as_4d(k_scale[..., None], "k's scales")
     c.v_scale = None if v_scale is None else _as_4d(v_scale[..., None], "v's scales")
     c.B, c.dims = B, (B, Hq, Hkv, L, S, E, Ev)
-    try:
-        c.causal, c.align = _CAUSAL[causal]
-    except (KeyError, TypeError):
-        raise ValueError(f"causal must be False, True, 'bottom_right' or 'top_left'; got {causal!r}") from None
+    c.causal, c.align = _causal(causal)
     c.window = _check_window(window)
-    c.scale = _check_scale(scale, E)
+    c.scale = _scale(scale, E)
     c.softcap = _check_softcap(softcap)
-    c.threads = _check_threads(num_threads)
+    c.threads = _threads(num_threads)
     c.mask = None if mask is None else _check_mask(mask, compute, (B, Hq, L, S))
     c.kv_lengths = None if kv_lengths is None else _per_batch(kv_lengths, "kv_lengths", B)
     c.sinks = None if sinks is None else _check_sinks(sinks, Hq)
