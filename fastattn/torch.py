@@ -331,12 +331,20 @@ def attention(q, k, v, *, mask=None, causal=False, window=None, kv_lengths=None,
     """
     c = _prepare(q, k, v, mask, causal, window, kv_lengths, scale, softcap, sinks, q_start, k_start,
                  num_threads, out)
+    # Eager code calls the kernel straight away (the dispatcher's argument
+    # handling costs about as much as a decoding step's kernel call); torch.compile
+    # traces the custom ops instead, which it sees through their fake versions.
+    compiling = torch.compiler.is_compiling()
     if out is None:
-        return _attention_op(c.q, c.k, c.v, *_flags(c)).reshape(c.out_shape)
+        if compiling:
+            return _attention_op(c.q, c.k, c.v, *_flags(c)).reshape(c.out_shape)
+        result = c.q.new_empty(_out_shape_4d(c.q, c.k) + (c.v.shape[3],))
+        _run(c.q, c.k, c.v, result, *_flags(c))
+        return result.reshape(c.out_shape)
     out4 = out[None, None] if out.dim() == 2 else out[None] if out.dim() == 3 else out
     if out4.dim() > 4:
         out4 = out4.view((-1,) + tuple(out4.shape[-3:]))  # a view, or a clear error
-    _attention_out_op(c.q, c.k, c.v, out4, *_flags(c))
+    (_attention_out_op if compiling else _run)(c.q, c.k, c.v, out4, *_flags(c))
     return out
 
 

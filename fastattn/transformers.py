@@ -212,7 +212,7 @@ class CacheLayer(cache_utils.CacheLayerMixin):
     def __init__(self, capacity, dtype=None, **kwargs):
         super().__init__()
         self.capacity, self.storage = capacity, dtype
-        self.cache = None
+        self.cache, self._length = None, 0
 
     def lazy_initialization(self, key_states, value_states):
         B, Hkv, _, E = key_states.shape
@@ -242,12 +242,13 @@ class CacheLayer(cache_utils.CacheLayerMixin):
             raise ValueError(f"fastattn.transformers.Cache holds CPU tensors; got keys on {key_states.device}")
         # the one copy of a step: the new rows, rounded or quantised into the buffers
         self.cache.append(_to_numpy(key_states), _to_numpy(value_states))
-        n = self.get_seq_length()
+        self._length += key_states.shape[2]  # append wrote them all (or raised, writing nothing)
+        n = self._length
         self.keys, self.values = self._filled(self._k, n), self._filled(self._v, n)
         return self.keys, self.values
 
     def get_seq_length(self):
-        return 0 if self.cache is None else int(self.cache.lengths[0])
+        return self._length
 
     def get_mask_sizes(self, query_length):
         return self.get_seq_length() + query_length, 0
@@ -258,12 +259,14 @@ class CacheLayer(cache_utils.CacheLayerMixin):
     def reset(self):
         if self.cache is not None:
             self.cache.reset()
+        self._length = 0
 
     def crop(self, tokens_to_remove):
         if tokens_to_remove > 0:  # transformers' legacy meaning: the length to keep
             tokens_to_remove = tokens_to_remove - self.get_seq_length()
         if self.cache is not None and tokens_to_remove < 0:
-            self.cache.truncate(max(0, self.get_seq_length() + tokens_to_remove))
+            self._length = max(0, self._length + tokens_to_remove)
+            self.cache.truncate(self._length)
 
     def _unsupported(self, *args):
         raise NotImplementedError("fastattn.transformers.Cache keeps one batch as allocated: beam search and "
