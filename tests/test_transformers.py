@@ -237,3 +237,15 @@ def test_hf_bench_group_table():
     assert "| float32 | 4096 | prefill | 500.0 | 400.0 | 600.0 | 1.20× | yes |" in text
     assert "| float32 | 4096 | decode | 20.0 | 10.0 | 30.0 | 1.50× | no |" in text
     assert "memory" in hf.skip_reason("eager", 16384, "prefill") and hf.skip_reason("sdpa", 16384, "prefill") is None
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_generate_never_builds_a_4d_mask(name, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a 4-D mask was built")
+
+    monkeypatch.setattr(masking_utils, "sdpa_mask", refuse)
+    model, ids = _model(name), _prompt(B=2, L=10, seed=10)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    assert _generate(model, "fastattn", ids * mask, mask, n=5).shape == (2, 5)
