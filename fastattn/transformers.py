@@ -149,8 +149,9 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         if spec.padding is not None:
             kw["mask"] = spec.padding
     elif attention_mask is None:
-        # no mask from transformers: a decoder's last L of the S keys
-        kw["causal"] = bool(kwargs.get("is_causal", getattr(module, "is_causal", True))) and L > 1
+        # no mask from transformers: a decoder's L queries are the last L of
+        # the S keys (bottom-right), within the module's sliding window if any
+        kw["causal"] = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
         if kw["causal"] and isinstance(sliding, int) and sliding > 0:
             kw["window"] = (sliding - 1, 0)
     else:

@@ -249,3 +249,18 @@ def test_generate_never_builds_a_4d_mask(name, monkeypatch):
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
     assert _generate(model, "fastattn", ids * mask, mask, n=5).shape == (2, 5)
+
+
+def test_no_mask_uses_the_modules_causality_and_window():
+    class Module(torch.nn.Module):
+        is_causal, sliding_window = True, 3
+
+    g = torch.Generator().manual_seed(6)
+    q, k, v = torch.randn(1, 4, 2, 8, generator=g), torch.randn(1, 2, 9, 8, generator=g), \
+        torch.randn(1, 2, 9, 8, generator=g)
+    out, _ = ft.attention(Module(), q, k, v, None, scaling=0.5)
+    # bottom-right: query i sits at key 7 + i and sees keys 5 + i .. 7 + i
+    allowed = torch.zeros(2, 9, dtype=torch.bool)
+    allowed[0, 5:8], allowed[1, 6:9] = True, True
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=0.5, enable_gqa=True)
+    assert torch.allclose(out, want.transpose(1, 2), atol=1e-6)
