@@ -39,9 +39,10 @@ def prefill_repeats(context):
 def phases(impl, context, round_):
     """What a round's process of ``impl`` times: the no-op with transformers'
     cache differs from the other no-op only in decoding; the longest
-    prefill runs in the first round only."""
+    prefill, and eager's (slow: it stores the scores), run in the first round only."""
     p = ["decode"]
-    if impl != "noop" and not skip_reason(impl, context, "prefill") and (context < max(CONTEXTS) or round_ == 0):
+    if impl != "noop" and not skip_reason(impl, context, "prefill") and (
+            round_ == 0 or context < max(CONTEXTS) and impl != "eager"):
         p.insert(0, "prefill")
     return p
 
@@ -103,29 +104,33 @@ def child(impl, dtype, context, phases):
     with torch.inference_mode():
         if "prefill" in phases and not skip_reason(impl, context, "prefill"):
             ids = torch.randint(0, MODEL["vocab_size"], (1, context), generator=torch.Generator().manual_seed(2))
-            times = []
+            times, cpu = [], []
             for _ in range(prefill_repeats(context)):
                 cache = _cache(impl, context + 1)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 logits = model(ids, cache=cache, logits_to_keep=1).logits
                 times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
                 del cache
             result["prefill_s"] = statistics.median(times)
             result["prefill_tok_s"] = context / result["prefill_s"]
+            result["prefill_cpu_tok_s"] = context / statistics.median(cpu)
             result["prefill_token"] = int(logits[0, -1].argmax())
         if "decode" in phases:
             cache = _filled_cache(impl, model, context, dtype)
-            token, tokens, times = torch.tensor([[1]]), [], []
+            token, tokens, times, cpu = torch.tensor([[1]]), [], [], []
             for step in range(DECODE_WARMUP + DECODE_STEPS):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 logits = model(token, cache=cache, logits_to_keep=1).logits
-                dt = time.perf_counter() - t0
+                dt, dc = time.perf_counter() - t0, time.process_time() - c0
                 token = logits[:, -1:].argmax(-1)
                 tokens.append(int(token))
                 if step >= DECODE_WARMUP:
                     times.append(dt)
+                    cpu.append(dc)
             result["decode_s"] = statistics.median(times)
             result["decode_tok_s"] = 1 / result["decode_s"]
+            result["decode_cpu_tok_s"] = 1 / statistics.median(cpu)
             result["decode_tokens"] = tokens
     return result
 
@@ -148,8 +153,9 @@ def run_case(impl, dtype, context, phases=("prefill", "decode"), threads=None, t
     return json.loads(lines[-1])
 
 
-def table(results, dtypes, contexts, impls):
-    """Markdown: tokens/s per implementation, and fastattn's ratio to sdpa."""
+def table(results, dtypes, contexts, impls, clock=""):
+    """Markdown: tokens/s per implementation, and fastattn's ratio to sdpa;
+    clock "" for wall-clock tokens/s, "cpu_" for tokens per CPU-second."""
     by = {(r["impl"], r["dtype"], r["context"]): r for r in results}
     lines = ["| dtype | context | phase | " + " | ".join(impls) + " | fastattn / sdpa | same tokens as eager |",
              "|---|---:|---|" + "---:|" * len(impls) + "---:|---|"]
@@ -159,10 +165,10 @@ def table(results, dtypes, contexts, impls):
                 cells = []
                 for impl in impls:
                     r = by.get((impl, dtype, context), {})
-                    v = r.get(f"{phase}_tok_s")
+                    v = r.get(f"{phase}_{clock}tok_s")
                     cells.append(f"{v:.1f}" if v else "skipped" if skip_reason(impl, context, phase)
                                  else r.get("error", "n/a")[:40])
-                fa, sd = (by.get((i, dtype, context), {}).get(f"{phase}_tok_s") for i in ("fastattn", "sdpa"))
+                fa, sd = (by.get((i, dtype, context), {}).get(f"{phase}_{clock}tok_s") for i in ("fastattn", "sdpa"))
                 ratio = f"{fa / sd:.2f}×" if fa and sd else "—"
                 lines.append(f"| {dtype} | {context} | {phase} | " + " | ".join(cells) + f" | {ratio} | "
                              + _same_tokens(by, dtype, context, phase) + " |")
@@ -182,7 +188,7 @@ def _same_tokens(by, dtype, context, phase):
 def _median_over_rounds(rounds):
     """One result from a case's rounds: the median of each timing, the tokens of the first."""
     merged = dict(rounds[0])
-    for key in ("prefill_tok_s", "decode_tok_s"):
+    for key in ("prefill_tok_s", "decode_tok_s", "prefill_cpu_tok_s", "decode_cpu_tok_s"):
         values = [r[key] for r in rounds if key in r]
         if values:
             merged[key] = statistics.median(values)
@@ -225,10 +231,15 @@ def main(args=None, contexts=CONTEXTS, impls=IMPLS, rounds=ROUNDS, out=sys.stdou
                     r = run_case(impl, dtype, context, phases(impl, context, round_), threads)
                     runs[impl].append(r)
                     print(f"# {dtype} {context} round {round_} {impl}: " + ", ".join(
-                        f"{k} {r[k]:.2f}" for k in ("prefill_tok_s", "decode_tok_s") if k in r)
+                        f"{k} {r[k]:.2f}" for k in ("prefill_tok_s", "decode_tok_s", "prefill_cpu_tok_s",
+                                                    "decode_cpu_tok_s") if k in r)
                         + (f" error: {r['error']}" if "error" in r else ""), file=sys.stderr, flush=True)
             results += [_median_over_rounds(runs[impl]) for impl in impls]
+    print("\n## tokens per second of wall-clock time\n", file=out)
     print(table(results, dtypes, contexts, impls), file=out)
+    print("\n## tokens per CPU-second of the process (time.process_time: what a busy machine's other "
+          "processes do not inflate; with one thread, the work itself)\n", file=out)
+    print(table(results, dtypes, contexts, impls, "cpu_"), file=out)
     if getattr(args, "json", None):
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
