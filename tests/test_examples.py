@@ -135,6 +135,10 @@ def test_readme_python_blocks_run(tmp_path):
     assert len(blocks) >= 2
     checked = set()
     for block in blocks:
+        # the torch and transformers block runs where they are installed (optional extras)
+        if any(re.search(rf"^import .*\b{m}\b", block, re.M) and importlib.util.find_spec(m) is None
+               for m in ("torch", "transformers")):
+            continue
         code = block
         for marker, checks in README_CHECKS.items():
             if marker in block:
