@@ -177,7 +177,7 @@ def table(results, dtypes, contexts, impls, clock=""):
 
 def _same_tokens(by, dtype, context, phase):
     key = "prefill_token" if phase == "prefill" else "decode_tokens"
-    ref_impl = "eager" if key in by.get(("eager", dtype, context), {}) else "sdpa"
+    ref_impl = "eager" if by.get(("eager", dtype, context), {}).get(key) is not None else "sdpa"
     ref = by.get((ref_impl, dtype, context), {}).get(key)
     got = by.get(("fastattn", dtype, context), {}).get(key)
     if ref is None or got is None:
