@@ -132,8 +132,11 @@ def _thread_counts(text):
 
 
 def _shapes(text):
-    """Shape names and group names (decode, full), in order, each shape once."""
+    """Shape names and group names (decode, full), in order, each shape once;
+    or "hf", the transformers group (fastattn.bench.hf), which runs alone."""
     from fastattn.bench.shapes import SHAPE_GROUPS, SHAPES_BY_NAME
+    if text == "hf":
+        return "hf"
     known = {**SHAPE_GROUPS, **{n: [s] for n, s in SHAPES_BY_NAME.items()}}
     unknown = [n for n in _names(text) if n not in known]
     if unknown:
@@ -160,6 +163,9 @@ def _dtypes(text):
 
 
 def cmd_bench(args):
+    if args.shapes == "hf":
+        from fastattn.bench import hf
+        return hf.main(args)
     from fastattn import bench
     return bench.main(args)
 
@@ -197,7 +203,8 @@ def parser(bench=None):
     b.add_argument("--shapes", type=_shapes, default=list(shapes.SHAPES_BY_NAME.values()),
                    metavar="LIST",
                    help="shape or group names, comma-separated (default all); groups: "
-                        + ", ".join(shapes.SHAPE_GROUPS) + "; shapes: " + ", ".join(
+                        + ", ".join(shapes.SHAPE_GROUPS) + "; or hf alone (a transformers model with "
+                        "sdpa, eager and fastattn attention; needs torch and transformers); shapes: " + ", ".join(
                        f"{s.name} ({s.label})" for s in shapes.SHAPES_BY_NAME.values()))
     b.add_argument("--dtype", type=_dtypes, default=["float32"], metavar="LIST",
                    help="storage dtypes, comma-separated (default float32): float32, float64; "

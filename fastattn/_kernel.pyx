@@ -439,3 +439,6 @@ def softcap(x, isa, double c):
     if fa_test_softcap(isa.encode(), dtype, cnp.PyArray_DATA(xa), cnp.PyArray_DATA(ya), xa.size, c):
         raise ValueError(f"ISA {isa!r} is not available here")
     return ya.reshape(x.shape)
+
+
+include "_kernel_raw.pxi"
