@@ -26,6 +26,7 @@ def attention_raw(int dtype, int q_dtype, int out_dtype, dims,
                   uintptr_t alibi_slopes=0, alibi_stride=None,
                   uintptr_t q_start=0, uintptr_t k_start=0,
                   uintptr_t k_scale=0, k_scale_stride=None, uintptr_t v_scale=0, v_scale_stride=None,
+                  uintptr_t k_channel=0, k_channel_stride=None,
                   int num_threads=0, bint check_only=False):
     """One kernel call on raw memory (see fa_args in src_c/fastattn.h).
 
@@ -34,7 +35,8 @@ def attention_raw(int dtype, int q_dtype, int out_dtype, dims,
     column; alibi's batch, head). dtype is K's and V's fa_dtype code,
     q_dtype and out_dtype q's and out's (DTYPE_CODES). sinks and
     alibi_slopes point to float64, q_start, k_start and kv_len to int64,
-    k_scale and v_scale to float32, an additive mask to the computation
+    k_scale, v_scale and k_channel (int8 keys' channel factors, E contiguous,
+    k_channel_stride: batch, head) to float32, an additive mask to the computation
     type (float64 for FA_F64, float32 otherwise), a bool mask to uint8.
     Raises ValueError (MemoryError) with C's sentence when C refuses."""
     cdef fa_args a
@@ -62,6 +64,8 @@ def attention_raw(int dtype, int q_dtype, int out_dtype, dims,
     a.k_scale, a.v_scale = <const float *>k_scale, <const float *>v_scale
     _copy_strides(k_scale_stride, a.k_scale_stride, 3)
     _copy_strides(v_scale_stride, a.v_scale_stride, 3)
+    a.k_channel = <const float *>k_channel
+    _copy_strides(k_channel_stride, a.k_channel_stride, 2)
     a.num_threads = num_threads
     if check_only:
         rc = fa_check(&a)

@@ -357,8 +357,9 @@ class KVCache:
     def key_buffer(self):
         """The whole key buffer, (batch, Hkv, capacity, E), as a read-only view;
         for an int8 cache the pair (values, scales) of read-only views, or
-        the triple (values, scales, :attr:`key_channels`) when it has channel
-        factors, as :func:`fastattn.attention` takes it."""
+        the triple (values, scales, channel factors) when it has them (the
+        factors a read-only view too, so factors fixed by a later prompt
+        show through), as :func:`fastattn.attention` takes it."""
         return self._filled(self._k, self._k_scales, self.capacity, channels=self._k_channels)
 
     @property
@@ -384,7 +385,9 @@ class KVCache:
             return out
         if channels is None:
             return view, s
-        return view, s, self.key_channels
+        c = channels.view()  # live: an entry's factors fixed later show through
+        c.flags.writeable = False
+        return view, s, c
 
     # -- operations --------------------------------------------------------
 

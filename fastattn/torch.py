@@ -63,18 +63,29 @@ def _kernel_ready(x):
 
 
 def _kv(x, name):
-    """k or v: a float tensor, or an int8 pair (values, scales), scales (..., rows) float32."""
+    """k or v: a float tensor, or an int8 pair (values, scales), scales (..., rows)
+    float32; k also the triple (values, scales, channels), channels (..., E)
+    float32 (as fastattn.attention takes them). Returns (tensor, scales, channels)."""
     if isinstance(x, tuple):
-        if len(x) != 2:
-            raise TypeError(f"{name} as a tuple must be an int8 pair (values, scales); got {len(x)} items")
+        if len(x) not in ((2, 3) if name == "k" else (2,)):
+            raise TypeError(f"{name} as a tuple must be an int8 pair (values, scales)"
+                            f"{' or triple (values, scales, channels)' if name == 'k' else ''}; "
+                            f"got {len(x)} items")
         values = _tensor(x[0], f"{name}'s values", (torch.int8,), "int8")
         scales = _tensor(x[1], f"{name}'s scales", (torch.float32,), "float32")
         if tuple(scales.shape) != tuple(values.shape[:-1]):
             raise ValueError(f"{name}'s scales must have shape {tuple(values.shape[:-1])} (one per row of "
                              f"values {tuple(values.shape)}); got {tuple(scales.shape)}")
-        return values, scales
+        channels = None
+        if len(x) == 3:
+            channels = _tensor(x[2], "k's channel factors", (torch.float32,), "float32")
+            want = tuple(values.shape[:-2]) + tuple(values.shape[-1:])
+            if tuple(channels.shape) != want:
+                raise ValueError(f"k's channel factors must have shape {want} (values.shape[:-2] + (E,)); "
+                                 f"got {tuple(channels.shape)}")
+        return values, scales, channels
     return _tensor(x, name, _FLOATS, "float16, bfloat16, float32 or float64 (or an int8 pair "
-                                     "(values, scales))"), None
+                                     "(values, scales))"), None, None
 
 
 def _check_dtypes(q, k, v):
@@ -188,8 +199,8 @@ class _Call:
 def _prepare(q, k, v, mask, causal, window, kv_lengths, scale, softcap, sinks, q_start, k_start,
              num_threads, out):
     q = _tensor(q, "q")
-    k, k_scale = _kv(k, "k")
-    v, v_scale = _kv(v, "v")
+    k, k_scale, k_channel = _kv(k, "k")
+    v, v_scale, _ = _kv(v, "v")
     if (k_scale is None) != (v_scale is None):
         raise TypeError("k and v must both be int8 pairs or both float tensors")
     _check_dtypes(q, k, v)
@@ -216,6 +227,7 @@ def _prepare(q, k, v, mask, causal, window, kv_lengths, scale, softcap, sinks, q
     c.q, c.k, c.v = _kernel_ready(q4), _kernel_ready(k4), _kernel_ready(v4)
     c.k_scale = None if k_scale is None else _as_4d(k_scale[..., None], "k's scales")
     c.v_scale = None if v_scale is None else _as_4d(v_scale[..., None], "v's scales")
+    c.k_channel = None if k_channel is None else _kernel_ready(_as_4d(k_channel[..., None, :], "k's channel factors"))
     c.B, c.dims = B, (B, Hq, Hkv, L, S, E, Ev)
     c.causal, c.align = _causal(causal)
     c.window = _check_window(window)
@@ -237,7 +249,7 @@ def _prepare(q, k, v, mask, causal, window, kv_lengths, scale, softcap, sinks, q
 
 def _flags(c):
     """The op's arguments after q, k, v (see _attention_op)."""
-    return (c.k_scale, c.v_scale, c.mask, c.causal, c.align, c.window[0], c.window[1], c.kv_lengths,
+    return (c.k_scale, c.v_scale, c.k_channel, c.mask, c.causal, c.align, c.window[0], c.window[1], c.kv_lengths,
             c.scale, c.softcap, c.sinks, c.q_start, c.k_start, c.threads)
 
 
@@ -247,7 +259,7 @@ def _ptr(t):
     return 0 if t is None else t.data_ptr()
 
 
-def _run(q, k, v, out4, k_scale, v_scale, mask, causal, align, wl, wr, kv_lengths, scale, softcap,
+def _run(q, k, v, out4, k_scale, v_scale, k_channel, mask, causal, align, wl, wr, kv_lengths, scale, softcap,
          sinks, q_start, k_start, threads):
     if kv_lengths is not None:
         S = k.shape[2]
@@ -267,6 +279,7 @@ def _run(q, k, v, out4, k_scale, v_scale, mask, causal, align, wl, wr, kv_length
         q_start=_ptr(q_start), k_start=_ptr(k_start),
         k_scale=_ptr(k_scale), k_scale_stride=None if k_scale is None else _strides(k_scale, B),
         v_scale=_ptr(v_scale), v_scale_stride=None if v_scale is None else _strides(v_scale, B),
+        k_channel=_ptr(k_channel), k_channel_stride=None if k_channel is None else _strides(k_channel, B)[:2],
         num_threads=threads)
 
 
@@ -276,19 +289,20 @@ def _out_shape_4d(q, k):
 
 @torch.library.custom_op("fastattn::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: Optional[torch.Tensor],
-                  v_scale: Optional[torch.Tensor], mask: Optional[torch.Tensor], causal: int, align: int,
+                  v_scale: Optional[torch.Tensor], k_channel: Optional[torch.Tensor],
+                  mask: Optional[torch.Tensor], causal: int, align: int,
                   wl: int, wr: int, kv_lengths: Optional[torch.Tensor], scale: float, softcap: float,
                   sinks: Optional[torch.Tensor], q_start: Optional[torch.Tensor], k_start: Optional[torch.Tensor],
                   threads: int) -> torch.Tensor:
     """(B, Hq, L, Ev) in q's dtype, for checked 4-D tensors."""
     out = q.new_empty(_out_shape_4d(q, k) + (v.shape[3],))
-    _run(q, k, v, out, k_scale, v_scale, mask, causal, align, wl, wr, kv_lengths, scale, softcap,
+    _run(q, k, v, out, k_scale, v_scale, k_channel, mask, causal, align, wl, wr, kv_lengths, scale, softcap,
          sinks, q_start, k_start, threads)
     return out
 
 
 @_attention_op.register_fake
-def _(q, k, v, k_scale, v_scale, mask, causal, align, wl, wr, kv_lengths, scale, softcap, sinks,
+def _(q, k, v, k_scale, v_scale, k_channel, mask, causal, align, wl, wr, kv_lengths, scale, softcap, sinks,
       q_start, k_start, threads):
     return q.new_empty(_out_shape_4d(q, k) + (v.shape[3],))
 
@@ -296,12 +310,12 @@ def _(q, k, v, k_scale, v_scale, mask, causal, align, wl, wr, kv_lengths, scale,
 @torch.library.custom_op("fastattn::attention_out", mutates_args=("out",))
 def _attention_out_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                       k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
-                      mask: Optional[torch.Tensor], causal: int, align: int, wl: int, wr: int,
+                      k_channel: Optional[torch.Tensor], mask: Optional[torch.Tensor], causal: int, align: int, wl: int, wr: int,
                       kv_lengths: Optional[torch.Tensor], scale: float, softcap: float,
                       sinks: Optional[torch.Tensor], q_start: Optional[torch.Tensor],
                       k_start: Optional[torch.Tensor], threads: int) -> None:
     """Writes into out, a (B, Hq, L, Ev) view (any strides, last axis contiguous)."""
-    _run(q, k, v, out, k_scale, v_scale, mask, causal, align, wl, wr, kv_lengths, scale, softcap,
+    _run(q, k, v, out, k_scale, v_scale, k_channel, mask, causal, align, wl, wr, kv_lengths, scale, softcap,
          sinks, q_start, k_start, threads)
 
 

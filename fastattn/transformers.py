@@ -111,7 +111,8 @@ def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function
 
 def _kv(t):
     """A key or value tensor as fastattn.torch takes it: an int8 Cache's layer
-    hands over its (values, scales) pair, anything else is the tensor."""
+    hands over its (values, scales) pair (keys: (values, scales, channel
+    factors)), anything else is the tensor."""
     pair = getattr(t, "_fastattn_int8", None)
     return t if pair is None else pair
 
@@ -225,14 +226,14 @@ class CacheLayer(cache_utils.CacheLayerMixin):
 
     @staticmethod
     def _views(buffer):
-        if isinstance(buffer, tuple):  # int8: (values, scales)
+        if isinstance(buffer, tuple):  # int8: (values, scales), keys also their channel factors
             return tuple(_to_torch(x) for x in buffer)
         return _to_torch(buffer)
 
     def _filled(self, views, n):
         if isinstance(views, tuple):
             values, scales = views[0][:, :, :n], views[1][:, :, :n]
-            values._fastattn_int8 = (values, scales)
+            values._fastattn_int8 = (values, scales) + tuple(views[2:])  # channel factors: live views
             return values
         return views[:, :, :n]
 

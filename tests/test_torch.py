@@ -117,6 +117,25 @@ def test_int8_pairs():
     assert np.array_equal(got.numpy(), want)
 
 
+def test_int8_keys_with_channel_factors():
+    """(values, scales, channels) keys: the same bits as fastattn.attention on
+    the same arrays, and channel factors of shape other than (..., E) refused."""
+    q, k, v = _qkv(torch.float32)
+    c = fastattn.cache.key_channel_scales(k.numpy())
+    kq, ks = fastattn.cache.quantize_int8(k.numpy() / c[..., None, :])
+    vq, vs = fastattn.cache.quantize_int8(v.numpy())
+    kt = (torch.from_numpy(kq), torch.from_numpy(ks), torch.from_numpy(c))
+    got = fat.attention(q, kt, (torch.from_numpy(vq), torch.from_numpy(vs)), causal=True)
+    want = fastattn.attention(q.numpy(), (kq, ks, c), (vq, vs), causal=True)
+    assert np.array_equal(got.numpy(), want)
+    plain = fat.attention(q, kt[:2], (torch.from_numpy(vq), torch.from_numpy(vs)), causal=True)
+    assert not torch.equal(got, plain)  # the factors are applied
+    with pytest.raises(ValueError, match=r"k's channel factors must have shape"):
+        fat.attention(q, kt[:2] + (kt[2][..., :-1],), (torch.from_numpy(vq), torch.from_numpy(vs)))
+    with pytest.raises(TypeError, match=r"v as a tuple must be an int8 pair \(values, scales\); got 3"):
+        fat.attention(q, kt, (torch.from_numpy(vq), torch.from_numpy(vs), kt[2]))
+
+
 def test_compile_without_graph_break():
     torch._dynamo.reset()
     counts = []
