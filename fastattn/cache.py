@@ -170,6 +170,17 @@ def key_channel_scales(k, axis=-2):
     return c.astype(np.float32)
 
 
+def _prompt_channels(k, counts, first, channels):
+    """A copy of ``channels`` (batch, Hkv, E) in which each batch entry b that
+    ``first`` marks gets :func:`key_channel_scales` of its ``counts[b]`` new
+    rows ``k[b, :, :counts[b]]`` (its prompt). ValueError on NaN or inf.
+    KVCache's appends and the sharded cache's driver both fix factors so."""
+    out = np.array(channels, np.float32)
+    for b in np.flatnonzero(first):
+        out[b] = key_channel_scales(k[b, :, :counts[b]])
+    return out
+
+
 class KVCache:
     """Key/value buffers of a fixed capacity for one attention layer.
 
@@ -525,12 +536,11 @@ class KVCache:
         first = ~self._channels_fixed & (counts > 0)
         if not first.any():
             return self._k_channels, self._channels_fixed
-        channels, fixed = self._k_channels.copy(), self._channels_fixed | first
-        for b in np.flatnonzero(first):
-            rows = k[b, :, :counts[b]]
-            if np.isfinite(np.asarray(rows, np.float64)).all():  # else _encode words the error
-                channels[b] = key_channel_scales(rows)
-        return channels, fixed
+        try:
+            channels = _prompt_channels(k, counts, first, self._k_channels)
+        except ValueError:  # NaN or inf among the new keys: _encode words the refusal
+            return self._k_channels, self._channels_fixed
+        return channels, self._channels_fixed | first
 
     def _encode(self, x, name, counts, channels=None):
         """New rows as stored: (rounded, None), or (int8 values, scales) of

@@ -22,7 +22,7 @@ except ImportError:  # pragma: no cover - the message is the point
     ) from None
 
 from fastattn._api import _check_window
-from fastattn.cache import KVCache, _positive, key_channel_scales
+from fastattn.cache import KVCache, _positive, _prompt_channels
 from fastattn.merge import merge_attention
 
 __all__ = ["ShardedKVCache", "ShardError"]
@@ -332,9 +332,8 @@ class ShardedKVCache:
         first = ~self._channels_fixed & (counts > 0) if self._prompt_channels else np.zeros(0, bool)
         if not first.any():
             return []
-        channels = np.ones((self._batch, self._hkv, self._e), np.float32)
-        for b in np.flatnonzero(first):
-            channels[b] = key_channel_scales(k[b, :, :counts[b]])  # NaN or inf: ValueError, nothing sent
+        # NaN or inf in those rows: ValueError here, before anything is sent
+        channels = _prompt_channels(k, counts, first, np.ones((self._batch, self._hkv, self._e), np.float32))
         self._channels_fixed |= first
         return [(s, a.fix_key_channels.remote(channels, first)) for s, a in enumerate(self._actors)]
 
