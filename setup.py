@@ -140,7 +140,9 @@ kernel = Extension(
     "fastattn._kernel",
     sources=["fastattn/_kernel.pyx"] + [path for path, own in manifest.steps(TARGET) if not own],
     depends=sorted(glob.glob(os.path.join(manifest.SRC, "*.h"))),
-    define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    # FA_SOURCE_DIGEST: which sources this build came from (fastattn._kernel.source_digest()).
+    define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"),
+                   ("FA_SOURCE_DIGEST", '"%s"' % manifest.source_digest(os.path.dirname(os.path.abspath(__file__))))],
 )
 
 setup(ext_modules=[kernel], cmdclass={"build_ext": BuildExt})

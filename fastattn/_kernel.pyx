@@ -269,6 +269,20 @@ def cpu_features():
     return fa_cpu_features().decode().split()
 
 
+cdef extern from *:
+    """
+    #ifndef FA_SOURCE_DIGEST
+    #define FA_SOURCE_DIGEST "unknown"
+    #endif
+    """
+    const char *FA_SOURCE_DIGEST
+
+
+def source_digest():
+    """src_c/manifest.py's source_digest() of the tree this module was built from."""
+    return FA_SOURCE_DIGEST.decode()
+
+
 def openmp():
     return bool(fa_openmp())
 

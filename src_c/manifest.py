@@ -12,6 +12,8 @@ loaded by file path. Paths are relative to the repository root: run it there.
 """
 import argparse
 import concurrent.futures
+import glob
+import hashlib
 import os
 import platform
 import shlex
@@ -45,6 +47,29 @@ ISA_X86_64 = [
 FLAGS = ["-O3", "-std=gnu99", "-fno-math-errno", "-Wall"]
 OPENMP = "-fopenmp"  # compile and link (setup.py also tries Apple clang's spelling)
 LIBS = ["-lm"]
+
+
+# What a build is made of, for source_digest(): the C kernel and the Python
+# package (a wheel holds both). Not fastattn/_kernel.c: Cython writes it.
+DIGEST_GLOBS = [f"{SRC}/*.c", f"{SRC}/*.h", "fastattn/**/*.py", "fastattn/*.pyx", "fastattn/*.pxi",
+                "fastattn/*.pxd"]
+
+
+def source_digest(root="."):
+    """sha256 (16 hex digits) over the names and bytes of the files a build is
+    made of. setup.py compiles it into the extension and the test suite compares
+    it with the checkout's, so a stale build (say, a wheel pip cached for this
+    folder path) is refused instead of tested."""
+    h = hashlib.sha256()
+    names = sorted({os.path.relpath(path, root).replace(os.sep, "/")
+                    for pattern in DIGEST_GLOBS
+                    for path in glob.glob(os.path.join(root, pattern), recursive=True)})
+    for name in names:
+        with open(os.path.join(root, name), "rb") as f:
+            data = f.read()
+        h.update(f"{name}\0{len(data)}\0".encode())
+        h.update(data)
+    return h.hexdigest()[:16]
 
 
 def is_x86_64(target):

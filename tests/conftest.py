@@ -1,5 +1,5 @@
-"""Shared test set-up: refuse to test an un-built source tree, report the
-build in the header, and the `isa` fixture. Helpers live in _helpers.py."""
+"""Shared test set-up: refuse to test an un-built source tree or a stale build,
+report the build in the header, and the `isa` fixture. Helpers live in _helpers.py."""
 import os
 import pathlib
 
@@ -17,6 +17,28 @@ if (pathlib.Path(fastattn.__file__).resolve().parents[1] == _REPO
     raise pytest.UsageError(
         f"fastattn was imported from the source tree ({fastattn.__file__}), not from the "
         "installed build. Install it (pip install '.[test]') and run `pytest`, not `python -m pytest`.")
+
+
+def _checkout_digest():
+    """src_c/manifest.py's digest of this checkout (loaded by path: not a package)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("fastattn_c_manifest", _REPO / "src_c" / "manifest.py")
+    manifest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(manifest)
+    return manifest.source_digest(str(_REPO))
+
+
+# ... and never a build of other sources. pip keeps the wheel it built from a
+# folder whose path holds a '-' in its cache and installs that again, unchanged,
+# the next time: the suite would pass against the previous sources.
+if os.environ.get("FASTATTN_TEST_INPLACE") != "1":
+    _built, _here = fastattn._kernel.source_digest(), _checkout_digest()
+    if _built != _here:
+        raise pytest.UsageError(
+            f"the installed fastattn ({pathlib.Path(fastattn.__file__).parent}) was built from other "
+            f"sources than this checkout (source digest {_built}, checkout {_here}): a stale build, "
+            "perhaps a wheel pip cached for this folder. Rebuild it: "
+            "pip install --no-cache-dir '.[test]'")
 
 REPO = _REPO
 

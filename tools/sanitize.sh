@@ -74,12 +74,14 @@ chmod +x "$tmp/cc"
 san_cflags="-fno-sanitize-recover=undefined -fno-wrapv -fno-omit-frame-pointer -g"
 
 # Build requirements first (pyproject's [build-system]), then fastattn with its
-# test extras, without build isolation so that the build sees CC and CFLAGS.
-# (pip always rebuilds a local directory, even over the same version.)
+# test extras, without build isolation so that the build sees CC and CFLAGS,
+# and without pip's wheel cache: pip caches the wheel it built from a folder
+# whose path holds a '-' and would install the plain build of the main stage
+# again (the check below caught that in CI at stop 16).
 say "::: sanitize: build ($base_cc -fsanitize=address,undefined $opt)"
 "$py" -m pip install -q "setuptools>=77" "cython>=3" "numpy>=2"
 CC=$tmp/cc CFLAGS=$san_cflags FASTATTN_REQUIRE_OPENMP=1 \
-    "$py" -m pip install -q --no-build-isolation ".[test]"
+    "$py" -m pip install -q --no-cache-dir --no-build-isolation ".[test]"
 so=$(cd "$tmp" && LD_PRELOAD=$libasan ASAN_OPTIONS=detect_leaks=0 \
     "$py" -c 'import fastattn._kernel as k; print(k.__file__)')
 if ! ldd "$so" | grep -q libasan; then
