@@ -9,6 +9,7 @@ posix_memalign and __atomic builtins, so MSVC cannot build it. Environment:
                                 (wheels and CI) instead of building without it.
 """
 
+import concurrent.futures
 import glob
 import importlib.util
 import os
@@ -79,24 +80,25 @@ class BuildExt(build_ext):
             # The FA_HAVE_* macros go to every source (the Cython module too),
             # so all files agree on which kernels exist.
             ext.define_macros += [(macro, "1") for macro in manifest.macros(TARGET)]
-            # setuptools has one flag list per extension: a source with flags
-            # of its own (a per-ISA kernel) is compiled here and linked in.
-            for path, own in manifest.steps(TARGET):
-                if not own:
-                    continue
-                ext.extra_objects += self.compiler.compile(
-                    [path],
-                    output_dir=self.build_temp,
-                    macros=ext.define_macros,
-                    include_dirs=ext.include_dirs,
-                    extra_postargs=base + own,
-                    depends=ext.depends,
-                )
-
-            # Cythonize here, not at import of setup.py: metadata-only calls
-            # (egg_info, sdist) then neither need Cython nor write _kernel.c.
-            ext.sources = cythonize(ext, force=True, compiler_directives=CYTHON_DIRECTIVES)[0].sources
+            # Every C file is compiled here, one compiler process per core:
+            # setuptools compiles an extension's sources one after the other
+            # with one flag list, and the per-ISA kernels need flags of their
+            # own. The four kernel files take most of a minute on one core.
+            with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+                jobs = [pool.submit(self._compile, ext, path, base + own) for path, own in manifest.steps(TARGET)]
+                # Cythonize here, not at import of setup.py: metadata-only calls
+                # (egg_info, sdist) then neither need Cython nor write _kernel.c.
+                binding = cythonize(ext, force=True, compiler_directives=CYTHON_DIRECTIVES)[0].sources
+                jobs += [pool.submit(self._compile, ext, path, ext.extra_compile_args) for path in binding]
+                ext.extra_objects += [obj for job in jobs for obj in job.result()]
+            ext.sources = []  # all compiled above: setuptools only links
         super().build_extensions()
+
+    def _compile(self, ext, path, flags):
+        """Objects of one source, with the arguments setuptools would pass."""
+        return self.compiler.compile([path], output_dir=self.build_temp, macros=ext.define_macros,
+                                     include_dirs=ext.include_dirs, debug=self.debug,
+                                     extra_postargs=flags, depends=ext.depends)
 
     def _find_openmp(self):
         """(compile flags, link flags) that build and link an OpenMP program."""
@@ -138,7 +140,7 @@ class BuildExt(build_ext):
 
 kernel = Extension(
     "fastattn._kernel",
-    sources=["fastattn/_kernel.pyx"] + [path for path, own in manifest.steps(TARGET) if not own],
+    sources=["fastattn/_kernel.pyx"],  # the C files: manifest.steps(), compiled by BuildExt
     depends=sorted(glob.glob(os.path.join(manifest.SRC, "*.h"))),
     # FA_SOURCE_DIGEST: which sources this build came from (fastattn._kernel.source_digest()).
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"),
