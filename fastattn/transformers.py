@@ -141,7 +141,12 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     sliding = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     spec = attention_mask
     if isinstance(spec, MaskSpec):
-        kw["q_start"], kw["k_start"] = spec.q_offset, spec.kv_offset
+        S = key.shape[-2]  # an int8 Cache hands over its values tensor: the same rows
+        if not (spec.kv_offset == 0 and spec.q_offset == S - L and spec.kv_lengths is None
+                and spec.padding is None):
+            kw["q_start"], kw["k_start"] = spec.q_offset, spec.kv_offset
+        # else the queries are the last L of the S keys: the kernel's bottom-right
+        # default, and no per-call position arrays to build (decoding's case)
         kw["causal"] = spec.pattern != "full"
         if spec.pattern == "sliding":
             kw["window"] = (spec.window - 1, 0)  # keys d-w+1 … d (transformers: kv > q - w)
