@@ -12,6 +12,8 @@ import subprocess
 import sys
 
 import pytest
+
+import fastattn
 from _helpers import REPO, c_manifest
 
 SRC = REPO / "src_c"
@@ -111,6 +113,34 @@ def test_manifest_lists_every_c_source():
     """A .c file in src_c/ that the manifest does not name would be left out of every build."""
     listed = MANIFEST.SOURCES + [name for name, _, _ in MANIFEST.ISA_X86_64]
     assert sorted(listed) == sorted(p.name for p in SRC.glob("*.c"))
+
+
+def test_installed_build_carries_the_checkout_s_source_digest():
+    """conftest refuses a stale build by this digest; here: it is a real one."""
+    built = fastattn._kernel.source_digest()
+    assert re.fullmatch(r"[0-9a-f]{16}", built), built
+    assert built == MANIFEST.source_digest(str(REPO))
+
+
+@pytest.mark.parametrize("changed", ["src_c/attention.c", "src_c/vec.h", "fastattn/_kernel_raw.pxi",
+                                     "fastattn/_kernel.pyx", "fastattn/bench/run.py", "fastattn/cache.py"])
+def test_source_digest_changes_with_any_built_file(tmp_path, changed):
+    """Every file a wheel is made of moves the digest: one byte more in any of
+    them, or a new header, gives another; the same tree gives the same one."""
+    for rel in {"src_c", "fastattn"}:
+        shutil.copytree(REPO / rel, tmp_path / rel, ignore=shutil.ignore_patterns("__pycache__", "*.so", "_kernel.c"))
+    before = MANIFEST.source_digest(str(tmp_path))
+    assert MANIFEST.source_digest(str(tmp_path)) == before
+    with open(tmp_path / changed, "a") as f:
+        f.write("\n")
+    after = MANIFEST.source_digest(str(tmp_path))
+    assert after != before
+    (tmp_path / "src_c" / "new.h").write_text("/* new */\n")
+    assert MANIFEST.source_digest(str(tmp_path)) not in (before, after)
+    # the generated binding is no source: Cython rewrites it at every build
+    (tmp_path / "fastattn" / "_kernel.c").write_text("/* generated */\n")
+    (tmp_path / "src_c" / "new.h").unlink()
+    assert MANIFEST.source_digest(str(tmp_path)) == after
 
 
 X86_64 = ["x86_64", "AMD64", "linux-x86_64", "macosx-10.9-x86_64", "x86_64-linux-gnu"]
