@@ -6,6 +6,7 @@ import pathlib
 import pytest
 
 import fastattn
+from _helpers import c_manifest
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -18,21 +19,11 @@ if (pathlib.Path(fastattn.__file__).resolve().parents[1] == _REPO
         f"fastattn was imported from the source tree ({fastattn.__file__}), not from the "
         "installed build. Install it (pip install '.[test]') and run `pytest`, not `python -m pytest`.")
 
-
-def _checkout_digest():
-    """src_c/manifest.py's digest of this checkout (loaded by path: not a package)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("fastattn_c_manifest", _REPO / "src_c" / "manifest.py")
-    manifest = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(manifest)
-    return manifest.source_digest(str(_REPO))
-
-
 # ... and never a build of other sources. pip keeps the wheel it built from a
 # folder whose path holds a '-' in its cache and installs that again, unchanged,
 # the next time: the suite would pass against the previous sources.
 if os.environ.get("FASTATTN_TEST_INPLACE") != "1":
-    _built, _here = fastattn._kernel.source_digest(), _checkout_digest()
+    _built, _here = fastattn._kernel.source_digest(), c_manifest().source_digest(str(_REPO))
     if _built != _here:
         raise pytest.UsageError(
             f"the installed fastattn ({pathlib.Path(fastattn.__file__).parent}) was built from other "
