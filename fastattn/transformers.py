@@ -21,7 +21,7 @@ from transformers.modeling_utils import AttentionInterface
 from fastattn import torch as fat
 from fastattn.cache import KVCache
 
-__all__ = ["register", "attention", "mask", "MaskSpec", "Cache", "CacheLayer", "NAME"]
+__all__ = ["register", "attention", "mask", "MaskSpec", "Cache", "CacheLayer", "generate", "NAME"]
 
 NAME = "fastattn"
 
@@ -308,3 +308,34 @@ class Cache(cache_utils.Cache):
                             f"or 'int8'; got {dtype!r}")
         super().__init__(layer_class_to_replicate=functools.partial(CacheLayer, max_cache_len, dtype))
         self.max_cache_len = max_cache_len
+
+
+# -- generate with the Cache sized for the call ---------------------------------------
+
+def generate(model, input_ids, *, cache_dtype=None, **kwargs):
+    """``model.generate(input_ids, **kwargs)`` with a :class:`Cache` of exactly
+    the rows the call can need (prompt plus ``max_new_tokens``, or
+    ``max_length``), so decoding appends in place instead of transformers'
+    DynamicCache concatenating the whole cache every step.
+
+    cache_dtype: the Cache's storage (see :class:`Cache`; None: the model's).
+    A cache given by the caller (``cache=`` or ``past_key_values=``) is used as
+    it is, and beam search (``num_beams`` > 1, which reorders the batch) runs
+    with transformers' own cache: the result is always ``model.generate``'s.
+    """
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError("input_ids must be a (batch, prompt length) tensor of token ids; got "
+                         f"{type(input_ids).__name__} of shape {tuple(getattr(input_ids, 'shape', ()))}")
+    config = kwargs.get("generation_config") or model.generation_config
+    given = kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None
+    beams = kwargs.get("num_beams", getattr(config, "num_beams", 1) or 1)
+    if given or beams > 1 or kwargs.get("use_cache", getattr(config, "use_cache", True)) is False:
+        return model.generate(input_ids, **kwargs)
+    new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+    total = (input_ids.shape[1] + new if new is not None
+             else kwargs.get("max_length", getattr(config, "max_length", None)))
+    if not isinstance(total, int) or total < input_ids.shape[1] + 1:
+        raise ValueError("generate needs max_new_tokens (or a max_length past the prompt's "
+                         f"{input_ids.shape[1]} tokens) to size the cache; got max_new_tokens={new!r}, "
+                         f"max_length={kwargs.get('max_length', getattr(config, 'max_length', None))!r}")
+    return model.generate(input_ids, cache=Cache(max_cache_len=total, dtype=cache_dtype), **kwargs)

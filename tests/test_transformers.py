@@ -221,6 +221,52 @@ def test_cache_errors():
         _generate(model, "fastattn", ids, n=4, cache=ft.Cache(12))
 
 
+def _ft_generate(model, ids, n, mask=None, **kw):
+    model.set_attn_implementation("fastattn")
+    with torch.no_grad():
+        return ft.generate(model, ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                           pad_token_id=0, return_dict_in_generate=True, **kw)
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_generate_sizes_a_fastattn_cache_and_gives_eager_tokens(name):
+    model, ids = _model(name), _prompt(B=2, seed=11)
+    out = _ft_generate(model, ids, 12)
+    cache = out.past_key_values
+    assert isinstance(cache, ft.Cache), type(cache)
+    assert cache.max_cache_len == ids.shape[1] + 12       # prompt plus the new tokens, no more
+    assert cache.get_seq_length() == ids.shape[1] + 12 - 1
+    assert torch.equal(out.sequences[:, ids.shape[1]:], _generate(model, "eager", ids, n=12))
+    # a left-padded batch, and int8 storage, the same way
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    padded = _ft_generate(model, ids * mask, 6, mask)
+    assert torch.equal(padded.sequences[:, ids.shape[1]:], _generate(model, "eager", ids * mask, mask, n=6))
+    assert _ft_generate(model, ids, 4, cache_dtype="int8").past_key_values.layers[0].cache.dtype == np.int8
+
+
+def test_generate_leaves_beam_search_and_a_given_cache_to_transformers():
+    model, ids = _model("llama"), _prompt(seed=12)
+    beams = _ft_generate(model, ids, 5, num_beams=2)
+    assert not isinstance(beams.past_key_values, ft.Cache)   # beam search reorders the batch: transformers' cache
+    model.set_attn_implementation("fastattn")
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0,
+                              num_beams=2)
+    assert torch.equal(beams.sequences, want)
+    mine = ft.Cache(max_cache_len=64)
+    assert _ft_generate(model, ids, 5, cache=mine).past_key_values is mine
+    assert mine.get_seq_length() == ids.shape[1] + 4
+
+
+def test_generate_errors():
+    model, ids = _model("llama"), _prompt(seed=13)
+    with pytest.raises(ValueError, match=r"input_ids must be a \(batch, prompt length\) tensor"):
+        ft.generate(model, ids[0], max_new_tokens=2)
+    with pytest.raises(ValueError, match="generate needs max_new_tokens"):
+        ft.generate(model, ids, max_length=ids.shape[1])
+
+
 def test_hf_bench_group_table():
     from fastattn.__main__ import _shapes
     from fastattn.bench import hf
