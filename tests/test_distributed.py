@@ -239,6 +239,24 @@ def _slow_down(actor, seconds):
     ray.get(actor.__ray_call__.remote(patch))
 
 
+def _kill(actor):
+    """ray.kill, then wait until the actor answers no more: the kill is
+    asynchronous, and a call sent right after it may still run (CI saw an
+    append pass on a shard killed the line before)."""
+    import ray
+    ray.kill(actor)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ready.remote(), timeout=10)
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError("the actor still answers 30 s after ray.kill")
+
+
 def _restore(actor):
     import ray
     ray.get(actor.__ray_call__.remote(lambda shard: shard._cache.__dict__.pop("attend", None)))
@@ -325,8 +343,8 @@ def test_only_shards_with_visible_keys_are_asked(fd):
     mirror = Mirror(4, 2, 1, 20, 8, np.float32)
     _fill(rng, [cache, mirror], [50], 2, 1, 8, "float32")   # lengths 50 and 48: shards 0-2 filled
     import ray
-    ray.kill(cache.actors[3])   # empty
-    ray.kill(cache.actors[0])   # positions 0-19
+    _kill(cache.actors[3])   # empty
+    _kill(cache.actors[0])   # positions 0-19
     q = randn(rng, (2, 2, 1, 8))
     kw = dict(window=(20, 0), sinks=[0.5, -1.0])   # rows at 49 and 47 see from 29 and 27 on
     _same_bits(cache.attend(q, **kw), mirror.attend(q, **kw)[0])
@@ -342,7 +360,7 @@ def test_killed_actor_raises_naming_the_shard_and_the_others_stay_intact(fd):
                               dtype=np.float16)
     mirror = Mirror(3, 2, 1, 20, 8, np.float16)
     _fill(rng, [cache, mirror], [30], 2, 1, 8, "float16")   # lengths 30, 28: shards 0 and 1
-    ray.kill(cache.actors[2])
+    _kill(cache.actors[2])
     # rows 30.. land on shard 1 (up to 39) and the dead shard 2: refused,
     # and shard 1 is truncated back
     k = randn(rng, (2, 1, 25, 8))
@@ -352,7 +370,7 @@ def test_killed_actor_raises_naming_the_shard_and_the_others_stay_intact(fd):
     assert ray.get(cache.actors[1].lengths.remote()).tolist() == [10, 8]
     q = randn(rng, (2, 2, 1, 8), np.float16)
     _same_bits(cache.attend(q), mirror.attend(q)[0])   # shard 2 holds nothing: not asked
-    ray.kill(cache.actors[1])
+    _kill(cache.actors[1])
     with pytest.raises(fd.ShardError, match="shard 1 of 3: attend failed: its actor is dead") as info:
         cache.attend(q)
     assert info.value.shard == 1
