@@ -38,7 +38,8 @@
 # own (the NumPy reference's tests, the bench harness, the command line and
 # the examples, which call the same kernel the rest of the suite checks): on
 # 2 cores they took about a minute of the run under the sanitizers, and CI
-# should stay under 15 minutes. The run still holds ~3,500 tests.
+# should stay under 15 minutes. The run still holds ~3,500 tests, in two
+# pytest processes at once (each on half of the files).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -112,11 +113,36 @@ run() {  # run NAME CMD...: run CMD, append its output to the log, note a failur
 t0=$(date +%s)
 # tests/test_c_api.py and the C example build programs with the system compiler
 # (not instrumented); the C API program is built with the sanitizers below.
-run "pytest (all but $LEAK_TEST, the plain C builds and the harness-only files)" \
+#
+# Two pytest processes at once, each on half of the files (split by size,
+# largest first, onto the lighter half): most tests are small calls where
+# Python, not the kernel's two threads, keeps a core busy.
+harness_only=" test_c_api.py test_reference.py test_dtypes_reference.py test_benchmarks.py test_cli.py test_examples.py "
+half_a=() half_b=()
+size_a=0 size_b=0
+for f in $(cd tests && ls -S test_*.py); do
+    case "$harness_only" in *" $f "*) continue ;; esac
+    size=$(wc -c <"tests/$f")
+    if [ "$size_a" -le "$size_b" ]; then half_a+=("tests/$f"); size_a=$((size_a + size))
+    else half_b+=("tests/$f"); size_b=$((size_b + size)); fi
+done
+pytest_half() {  # pytest_half LOG FILES...: one half, its output to LOG
+    local out=$1
+    shift
     "$venv/bin/pytest" -q --capture=sys -p no:cacheprovider -k "not $LEAK_TEST and not c_decode_example" \
-    --deselect tests/test_c_api.py --deselect tests/test_reference.py \
-    --deselect tests/test_dtypes_reference.py --deselect tests/test_benchmarks.py \
-    --deselect tests/test_cli.py --deselect tests/test_examples.py
+        "$@" >"$out" 2>&1
+}
+both_halves() {
+    local rc_a rc_b
+    pytest_half "$tmp/half_a.log" "${half_a[@]}" &
+    local pid_a=$!
+    pytest_half "$tmp/half_b.log" "${half_b[@]}" || rc_b=$?
+    wait "$pid_a" || rc_a=$?
+    cat "$tmp/half_a.log" "$tmp/half_b.log"
+    return $(( ${rc_a:-0} | ${rc_b:-0} ))
+}
+run "pytest (all but $LEAK_TEST, the plain C builds and the harness-only files), two halves at once" \
+    both_halves
 ASAN_OPTIONS=$asan_common:quarantine_size_mb=0 run "pytest $LEAK_TEST (quarantine off)" \
     "$venv/bin/pytest" -q --capture=sys -p no:cacheprovider tests/test_errors.py -k "$LEAK_TEST"
 
