@@ -101,19 +101,21 @@ def round_trips(fd, ray, shards, steps):
     trip: the compiled graph, the tiny attention, the merge) with 1 shard and
     with `shards`; and of an empty plain actor call, for comparison."""
     one_token = np.ones((1, 1, 1, 8), np.float32)
-    medians = []
-    for n in (1, shards):
+
+    def step(n):
         cache = fd.ShardedKVCache(num_shards=n, batch=1, num_kv_heads=1, capacity_per_shard=1, head_dim=8)
         for _ in range(n):
             cache.append(one_token, one_token)
         cache.attend(one_token)  # compiles the graph
-        medians.append(float(np.median([timed(lambda: cache.attend(one_token))[0] for _ in range(steps)])))
-        if n == 1:
-            actor = cache.actors[0]
-            medians.append(float(np.median([timed(lambda: ray.get(actor.ready.remote()))[0]
-                                            for _ in range(steps)])))
+        graph = float(np.median([timed(lambda: cache.attend(one_token))[0] for _ in range(steps)]))
+        actor = cache.actors[0]
+        plain = float(np.median([timed(lambda: ray.get(actor.ready.remote()))[0] for _ in range(steps)]))
         cache.close()
-    return medians
+        return graph, plain
+
+    rtt, plain = step(1)
+    rtt_n = step(shards)[0] if shards > 1 else rtt
+    return rtt, plain, rtt_n
 
 
 def bandwidth(args, rng):
