@@ -5,6 +5,7 @@
  */
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 #include "convert.h"
 #include "internal.h"
 #include "plan.h"
@@ -98,6 +99,7 @@ static void run_items(void *ctx) {
     const fa_work *w = job->w;
     void *buf = scratch_alloc(w->scratch);
     if (!buf) return;
+    memset(buf, 0, w->scratch < FA_ALIGN ? w->scratch : FA_ALIGN); /* the contract of internal.h */
     int64_t idx, done = 0;
     while ((idx = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < w->n_items) {
         const fa_item it = fa_item_at(w, idx, job->parts);

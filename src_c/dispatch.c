@@ -6,8 +6,16 @@
 #include <stdlib.h>
 #include <string.h>
 #include "internal.h"
+#if defined(FA_HAVE_AMX) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 static const fa_isa_table *const fa_all_isas[] = {
+#if defined(FA_HAVE_AMX)
+    &fa_isa_amx,
+#endif
 #if defined(FA_HAVE_AVX512)
     &fa_isa_avx512,
 #endif
@@ -19,10 +27,42 @@ static const fa_isa_table *const fa_all_isas[] = {
 };
 #define FA_N_ISAS (sizeof fa_all_isas / sizeof fa_all_isas[0])
 
+/* AMX-BF16 and AMX-TILE in CPUID (leaf 7, EDX bits 22 and 24). Only looked
+ * for on Linux, the one OS here that says how to ask for the tile state. */
+static int amx_in_cpu(void) {
+#if defined(FA_HAVE_AMX) && defined(__linux__)
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1) && (d >> 24 & 1);
+#else
+    return 0;
+#endif
+}
+
+/* The CPU has AMX and Linux lets this process use the tile state: a process
+ * must ask (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, feature 18) before
+ * its first tile instruction, which would otherwise fault. The permission
+ * holds for every thread of the process. Asked once. */
+static int amx_granted(void) {
+#if defined(FA_HAVE_AMX) && defined(__linux__)
+    static int state; /* 0: not asked yet, 1: granted, 2: refused */
+    int s = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
+    if (s) return s == 1;
+    s = amx_in_cpu() && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0 ? 1 : 2;
+    __atomic_store_n(&state, s, __ATOMIC_RELEASE);
+    return s == 1;
+#else
+    return 0;
+#endif
+}
+
 static int cpu_runs(const fa_isa_table *k) {
 #if defined(__x86_64__) || defined(__i386__)
     /* __builtin_cpu_supports also checks that the OS saves the wide registers. */
     __builtin_cpu_init();
+#if defined(FA_HAVE_AMX)
+    if (k == &fa_isa_amx)
+        return cpu_runs(&fa_isa_avx512) && __builtin_cpu_supports("avx512bf16") && amx_granted();
+#endif
 #if defined(FA_HAVE_AVX512)
     if (k == &fa_isa_avx512)
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -81,13 +121,13 @@ const char *fa_cpu_features(void) {
     char buf[sizeof found] = "";
 #if defined(__x86_64__) || defined(__i386__)
     static const char *const names[] = {"sse2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw",
-                                        "avx512vl", "avx512dq", "avx512bf16"};
+                                        "avx512vl", "avx512dq", "avx512bf16", "amx-bf16"};
     __builtin_cpu_init();
     const int has[] = {__builtin_cpu_supports("sse2"), __builtin_cpu_supports("avx"), __builtin_cpu_supports("avx2"),
                        __builtin_cpu_supports("fma"), __builtin_cpu_supports("f16c"),
                        __builtin_cpu_supports("avx512f"), __builtin_cpu_supports("avx512bw"),
                        __builtin_cpu_supports("avx512vl"), __builtin_cpu_supports("avx512dq"),
-                       __builtin_cpu_supports("avx512bf16")};
+                       __builtin_cpu_supports("avx512bf16"), amx_in_cpu()};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (has[i]) {
             if (buf[0]) strcat(buf, " ");

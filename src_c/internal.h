@@ -4,7 +4,9 @@
  * The contract: the driver validates the call (check.c), plans it (plan.c:
  * layout, rows per item, key chunks, threads) and hands out work items; a
  * kernel computes one item on one thread, in its own scratch, and knows
- * nothing of threads.
+ * nothing of threads. A thread's scratch lives for one call, and its first
+ * FA_ALIGN bytes are zero when the thread takes its first item: a kernel may
+ * keep there what the items of one call on one thread share (kernel_amx.h).
  */
 #ifndef FA_INTERNAL_H
 #define FA_INTERNAL_H
@@ -66,7 +68,7 @@ typedef struct fa_kernel {
     int64_t lane_rows;        /* query rows a lane-layout item holds (its vector lanes) */
     int64_t rows_auto;        /* the driver picks the row layout for at most this many rows */
     int64_t key_block;        /* keys per block of the online softmax (FA_BK) */
-    size_t (*scratch_bytes)(int64_t E, int64_t Ev);   /* one thread's, either layout */
+    size_t (*scratch_bytes)(int64_t E, int64_t Ev, int64_t S);   /* one thread's, either layout */
     fa_item_fn lanes_item;    /* rows in vector lanes (kernel_lanes.h) */
     fa_item_fn rows_item;     /* vectors along the head dim (kernel_rows.h), ≤ FA_ROWS_MAX rows */
     void (*exp2)(const void *x, void *y, int64_t n);  /* the kernel's 2^x, for tests */
@@ -88,6 +90,9 @@ extern const fa_isa_table fa_isa_avx2;
 #endif
 #if defined(FA_HAVE_AVX512)
 extern const fa_isa_table fa_isa_avx512;
+#endif
+#if defined(FA_HAVE_AMX)
+extern const fa_isa_table fa_isa_amx;
 #endif
 
 /* The set in use (chosen once from the CPU, FASTATTN_ISA or fa_set_isa). */

@@ -177,7 +177,20 @@ static inline void FN(out_put)(const fa_plan *p, const fa_item *it, int64_t off,
         for (int64_t e = 0; e < n; e++) o[e] = fa_f32_to_f16((float)vals[e]);
     } else if (p->out_dtype == FA_BF16) {
         uint16_t *o = (uint16_t *)p->a->out + off;
-        for (int64_t e = 0; e < n; e++) o[e] = fa_f32_to_bf16((float)vals[e]);
+        int64_t e = 0;
+#if FA_MANT == 23
+        /* whole vectors: fa_f32_to_bf16 lane-wise, the same bits */
+        typedef uint16_t half_vec __attribute__((vector_size(FA_VBYTES / 2)));
+        for (; e + W <= n; e += W) {
+            VU u;
+            memcpy(&u, vals + e, sizeof u);
+            const VU nan = (u & 0x7fffffffu) > 0x7f800000u;
+            const VU r = (nan & ((u >> 16) | 0x40u)) | (~nan & ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16));
+            const half_vec h = __builtin_convertvector(r, half_vec);
+            memcpy(o + e, &h, sizeof h);
+        }
+#endif
+        for (; e < n; e++) o[e] = fa_f32_to_bf16((float)vals[e]);
     } else {
         memcpy((T *)p->a->out + off, vals, (size_t)n * sizeof(T));
     }
@@ -278,11 +291,22 @@ static inline T *FN(item_lse)(const fa_item *it, const fa_args *a) {
     return it->partial ? (T *)it->partial : (T *)a->lse;
 }
 
+/* kernels_amx.c's bfloat16 entry: the lane layout's products on AMX tiles. */
+#if defined(FA_AMX) && defined(FA_KV_BF16)
+#define FA_AMX_TILES 1
+#endif
+
 #include "kernel_lanes.h"
 #include "kernel_rows.h"
 
-static size_t FN(scratch_bytes)(int64_t E, int64_t Ev) {
+static size_t FN(scratch_bytes)(int64_t E, int64_t Ev, int64_t S) {
     size_t lanes = FN(lanes_scratch_bytes)(E, Ev), rows = FN(rows_scratch_bytes)(E, Ev);
+#if defined(FA_AMX_TILES)
+    lanes += FA_ALIGN + FN(amx_bytes)(E, Ev, S); /* a call's state first, the tiles' after the lane layout's */
+    if (rows < lanes) rows = lanes;              /* the row layout's items run in the same scratch */
+#else
+    (void)S;
+#endif
     return lanes > rows ? lanes : rows;
 }
 
@@ -337,3 +361,4 @@ static const fa_kernel FN(kernel) = {
 #undef KV
 #undef FA_CONVERTS
 #undef CN
+#undef FA_AMX_TILES

@@ -17,6 +17,10 @@
 #define BQ (FA_NV * W)
 #define TILE FN(tile)
 
+#if defined(FA_AMX_TILES)
+#include "kernel_amx.h"
+#endif
+
 /* Key blocks summed plainly into ot (and l) before they are folded into the
  * compensated totals (lanes_fold): an item over at most FA_FOLD · FA_BK keys
  * never folds, and keeps the bits it had before folds existed. */
@@ -328,7 +332,7 @@ static void FN(lanes_unfold)(int nvc, int64_t Ev, CN(lanes_bufs) s) {
  * into the compensated totals; an item that folded folds the rest at the end. */
 static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, const fa_rows *f, const int64_t *lo,
                              const int64_t *hi, const int64_t *m_row, const T *neg_slope, const int64_t *diag,
-                             int nvc, CN(lanes_bufs) s) {
+                             int nvc, CN(lanes_bufs) s, const void *amx) {
     const fa_args *a = p->a;
     const int64_t E = a->E, Ev = a->Ev, rows = it->rows;
     const KV *k = (const KV *)a->k + it->b * a->k_stride[0] + it->hk * a->k_stride[1];
@@ -345,8 +349,15 @@ static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, const fa_rows 
 #else
 #define FA_ROW_SCALE(sc, j) NULL, 0
 #endif
+#define FA_K_BLK s.kt
+#define FA_V_BLK s.vt
 #else
     const int64_t k_rs = a->k_stride[2], v_rs = a->v_stride[2];
+#define FA_K_BLK (k + j0 * k_rs)
+#define FA_V_BLK (v + j0 * v_rs)
+#endif
+#if !defined(FA_AMX_TILES)
+    (void)amx;
 #endif
     for (int u = 0; u < FA_NV; u++) {
         s.m[u] = FN(v_splat)(-(T)INFINITY);
@@ -359,18 +370,34 @@ static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, const fa_rows 
     int folds = 0;
     for (int64_t j0 = f->j_begin; j0 < f->j_end; j0 += FA_BK) {
         const int64_t nb = f->j_end - j0 < FA_BK ? f->j_end - j0 : FA_BK;
-#if FA_CONVERTS
-        FN(kv_rows)(s.kt, E, k + j0 * a->k_stride[2], a->k_stride[2], nb, E, FA_ROW_SCALE(ks, j0));
-        FN(kv_rows)(s.vt, Ev, v + j0 * a->v_stride[2], a->v_stride[2], nb, Ev, FA_ROW_SCALE(vs, j0));
-        const T *k_blk = s.kt, *v_blk = s.vt;
-#else
-        const T *k_blk = k + j0 * k_rs, *v_blk = v + j0 * v_rs;
+#if defined(FA_AMX_TILES)
+        /* bfloat16 read in place by the tiles, no conversion; the scores
+         * stay unscaled unless something adds to them */
+        const int scaled = modify || a->mask_kind == FA_MASK_ADD;
+        if (amx) {
+            FN(amx_scores)(amx, s.st, k + j0 * a->k_stride[2], a->k_stride[2], nb, E, nvc);
+            if (scaled) FN(amx_scale)(s.st, nb, nvc, (T)p->scale);
+        } else
 #endif
-        CN(scores_tile)(nvc, s.st, k_blk, k_rs, s.qt, E, nb, v_blk, v_rs, Ev);
+        {
+#if FA_CONVERTS
+            FN(kv_rows)(s.kt, E, k + j0 * a->k_stride[2], a->k_stride[2], nb, E, FA_ROW_SCALE(ks, j0));
+            FN(kv_rows)(s.vt, Ev, v + j0 * a->v_stride[2], a->v_stride[2], nb, Ev, FA_ROW_SCALE(vs, j0));
+#endif
+            CN(scores_tile)(nvc, s.st, FA_K_BLK, k_rs, s.qt, E, nb, FA_V_BLK, v_rs, Ev);
+        }
         if (modify) CN(lanes_modify)(a, s.st, nvc, j0, nb, neg_slope, diag);
         FN(mask_block)((T *)s.st, 1, BQ, a, f, lo, hi, m_row, rows, j0, nb);
-        CN(softmax_block)(nvc, s.st, nb, s.m, s.l, s.alpha);
-        CN(values_tile)(nvc, s.ot, v_blk, v_rs, s.st, Ev, nb, j0 == fresh ? 0 : s.alpha);
+#if defined(FA_AMX_TILES)
+        if (amx) {
+            FN(amx_softmax)(amx, nvc, s.st, nb, s.m, s.l, s.alpha, scaled ? 1 : (T)p->scale);
+            FN(amx_values)(amx, s.ot, it, v, a->v_stride[2], j0, nb, Ev, nvc, j0 == fresh ? 0 : s.alpha);
+        } else
+#endif
+        {
+            CN(softmax_block)(nvc, s.st, nb, s.m, s.l, s.alpha);
+            CN(values_tile)(nvc, s.ot, FA_V_BLK, v_rs, s.st, Ev, nb, j0 == fresh ? 0 : s.alpha);
+        }
         if (j0 + FA_BK < f->j_end && j0 + FA_BK - fresh == FA_FOLD * FA_BK) {
             CN(lanes_fold)(nvc, Ev, s, !folds++);
             fresh = j0 + FA_BK;
@@ -382,6 +409,8 @@ static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, const fa_rows 
         CN(lanes_unfold)(nvc, Ev, s);
     }
 #undef FA_ROW_SCALE
+#undef FA_K_BLK
+#undef FA_V_BLK
 }
 
 #if !FA_CONVERTS
@@ -423,6 +452,10 @@ static void FN(lanes_store)(const fa_plan *p, const fa_item *it, const T *sink, 
 #endif /* !FA_CONVERTS: the store */
 
 static void FN(lanes_item)(const fa_plan *p, const fa_item *it, void *scratch) {
+#if defined(FA_AMX_TILES)
+    int64_t *call_state = (int64_t *)scratch; /* the call's first FA_ALIGN bytes: see amx_carve */
+    scratch = (char *)scratch + FA_ALIGN;
+#endif
     const CN(lanes_bufs) s = FN(lanes_carve)(scratch, p->a->E, p->a->Ev);
     int64_t lo[BQ], hi[BQ], q_row[BQ], m_row[BQ];
     const fa_rows f = fa_item_rows(p, it, lo, hi, q_row, m_row);
@@ -430,8 +463,23 @@ static void FN(lanes_item)(const fa_plan *p, const fa_item *it, void *scratch) {
     T neg_slope[BQ], sink[BQ];
     int64_t diag[BQ];
     if (p->a->alibi_slopes || p->a->sinks) FN(item_mods)(p, it, nvc * W, neg_slope, diag, sink);
-    CN(lanes_pack_q)(p, q_row, it->rows, nvc, fa_item_channels(p->a, it), s.qt);
-    FN(lanes_blocks)(p, it, &f, lo, hi, m_row, neg_slope, diag, nvc, s);
+#if defined(FA_AMX_TILES)
+    /* The tile buffers follow the lane layout's (amx_bytes). */
+    FN(amx_bufs) tiles = FN(amx_carve)(call_state, (char *)scratch + FN(lanes_scratch_bytes)(p->a->E, p->a->Ev),
+                                       p->a->E, p->a->Ev, p->a->S);
+    const FN(amx_bufs) *amx = FN(amx_usable)(p) ? &tiles : NULL;
+    if (amx) {
+        FN(amx_begin)();
+        FN(amx_pack_q)(p, q_row, it->rows, nvc, tiles.qv);
+    } else
+#else
+    const void *amx = NULL;
+#endif
+        CN(lanes_pack_q)(p, q_row, it->rows, nvc, fa_item_channels(p->a, it), s.qt);
+    FN(lanes_blocks)(p, it, &f, lo, hi, m_row, neg_slope, diag, nvc, s, amx);
+#if defined(FA_AMX_TILES)
+    if (amx) _tile_release();
+#endif
     CN(lanes_store)(p, it, p->a->sinks && !it->partial ? sink : NULL, nvc, s);
 }
 

@@ -37,6 +37,10 @@ ISA_X86_64 = [
     ("kernels_avx2.c", "FA_HAVE_AVX2", ["-mavx2", "-mfma", "-mf16c"]),
     ("kernels_avx512.c", "FA_HAVE_AVX512",
      ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"]),
+    # GCC >= 11 or clang >= 12 (older compilers do not know these flags)
+    ("kernels_amx.c", "FA_HAVE_AMX",
+     ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
+      "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]),
 ]
 
 # -std=gnu99, not c99: strict ISO mode sets -ffp-contract=off, which turns

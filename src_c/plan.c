@@ -151,7 +151,7 @@ int fa_plan_work(const fa_args *a, const fa_strategy *force, fa_work *w) {
     w->plan.wl = a->window_left > far ? far : a->window_left;
     w->plan.wr = a->window_right > far ? far : a->window_right;
     w->elem_bytes = a->dtype == FA_F64 ? sizeof(double) : sizeof(float); /* the computation type */
-    w->scratch = kern->scratch_bytes(a->E, a->Ev);
+    w->scratch = kern->scratch_bytes(a->E, a->Ev, a->S);
     w->key_block = kern->key_block;
     const int64_t S_seen = fa_keys_seen(a);
     int err = plan_rows(a, kern, w->plan.group, force, w);

@@ -7,7 +7,8 @@
  *          (ln2/2)^(deg+1)/(deg+1)!: 5e-9 (degree 7, float), 4e-18 (degree
  *          13, double), well under half an ulp;
  *   2^n:   n added to the exponent field of 2^f (AVX-512: VRNDSCALE for
- *          round, VSCALEF for 2^n: fewer instructions, the same bits).
+ *          round, VSCALEF for 2^n, zeroing under a mask below the range:
+ *          fewer instructions, the same bits).
  * x below −125 (float) / −1021 (double) returns 0: the true value is under
  * 2^−125 there, invisible next to the row maximum's 1. −inf gives exactly 0,
  * NaN stays NaN. Measured maximum error over [−125, 0] / [−1021, 0]
@@ -57,23 +58,23 @@ static inline VT FN(v_exp2)(VT x) {
 #endif
 #if FA_VBYTES == 64 && defined(__AVX512F__)
     /* AVX-512: round and scale in one instruction each (VRNDSCALE, VSCALEF),
-     * the range in a mask register: 13 instructions, not 20. The same n, f
+     * the range in a mask register: 12 instructions, not 20. The same n, f
      * and polynomial, and p·2^n is exact for a normal result, so the bits
      * are those of the portable path below. MAXPS(lowest, x) keeps a NaN x
-     * (it returns the second operand when one is NaN); n = −inf below range
-     * makes VSCALEF return exactly 0. */
+     * (it returns the second operand when one is NaN); below the range the
+     * zeroing mask (x ≥ lowest, true for NaN: unordered) gives exactly 0. */
 #if FA_MANT == 23
     const __m512 xv = (__m512)x, xc = _mm512_max_ps(_mm512_set1_ps(lowest), xv);
     const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const VT p = FN(exp2_poly)((VT)_mm512_sub_ps(xc, n));
-    const __mmask16 under = _mm512_cmp_ps_mask(xv, _mm512_set1_ps(lowest), _CMP_LT_OQ);
-    return (VT)_mm512_scalef_ps((__m512)p, _mm512_mask_mov_ps(n, under, _mm512_set1_ps(-INFINITY)));
+    const __mmask16 kept = _mm512_cmp_ps_mask(xv, _mm512_set1_ps(lowest), _CMP_NLT_UQ);
+    return (VT)_mm512_maskz_scalef_ps(kept, (__m512)p, n);
 #else
     const __m512d xv = (__m512d)x, xc = _mm512_max_pd(_mm512_set1_pd(lowest), xv);
     const __m512d n = _mm512_roundscale_pd(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const VT p = FN(exp2_poly)((VT)_mm512_sub_pd(xc, n));
-    const __mmask8 under = _mm512_cmp_pd_mask(xv, _mm512_set1_pd(lowest), _CMP_LT_OQ);
-    return (VT)_mm512_scalef_pd((__m512d)p, _mm512_mask_mov_pd(n, under, _mm512_set1_pd(-INFINITY)));
+    const __mmask8 kept = _mm512_cmp_pd_mask(xv, _mm512_set1_pd(lowest), _CMP_NLT_UQ);
+    return (VT)_mm512_maskz_scalef_pd(kept, (__m512d)p, n);
 #endif
 #elif FA_VBYTES == 32 && FA_MANT == 23 && defined(__AVX2__)
     /* AVX2, float: MAXPS(lowest, x) clamps and keeps a NaN x (it returns the

@@ -90,7 +90,7 @@ def test_header_is_self_contained(tmp_path):
     _run(MANIFEST.cc_line(platform.machine(), cc, [str(src)], str(exe)), shell=True)
     r = _run([str(exe)])
     isa = re.search(r"^isa=(\S+)$", r.stdout, re.M)
-    assert isa and isa.group(1) in ("avx512", "avx2", "sse2", "neon", "scalar"), r.stdout
+    assert isa and isa.group(1) in ("amx", "avx512", "avx2", "sse2", "neon", "scalar"), r.stdout
     heads = re.search(r"^heads=(.+)$", r.stdout, re.M)
     assert heads and "Hkv" in heads.group(1), r.stdout
 
@@ -150,10 +150,10 @@ OTHER = ["aarch64", "arm64", "macosx-11.0-arm64", "macosx-10.9-universal2", "aar
 @pytest.mark.parametrize("target", X86_64 + OTHER)
 def test_manifest_gives_per_isa_kernels_to_x86_64_only(target):
     paths = [path for path, _ in MANIFEST.steps(target)]
-    avx = [path for path in paths if "avx" in path]
+    avx = [path for path in paths if "avx" in path or "amx" in path]
     if target in X86_64:
-        assert avx == ["src_c/kernels_avx2.c", "src_c/kernels_avx512.c"]
-        assert "-DFA_HAVE_AVX512" in MANIFEST.cflags(target)
+        assert avx == ["src_c/kernels_avx2.c", "src_c/kernels_avx512.c", "src_c/kernels_amx.c"]
+        assert {"-DFA_HAVE_AVX512", "-DFA_HAVE_AMX"} <= set(MANIFEST.cflags(target))
     else:
         assert avx == [] and MANIFEST.macros(target) == []
     assert paths[:len(MANIFEST.SOURCES)] == [f"src_c/{n}" for n in MANIFEST.SOURCES]

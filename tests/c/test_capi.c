@@ -182,9 +182,69 @@ static void run_case(int dtype, int causal, int align, int64_t wl, int64_t wr) {
     check(worst < (f32 ? 2e-5 : 1e-12), what);
 }
 
+/* bfloat16 q, K, V and out, E a multiple of 32 and Ev of 16: the amx set
+ * runs its tile products on this (src_c/kernel_amx.h), every other set its
+ * float code. Causal GQA with ragged L and S against a naive double loop on
+ * the same bfloat16 values; the output's rounding to bfloat16 (2^-8 relative
+ * at most) dominates the error. */
+static void run_bf16_out_case(void) {
+    enum { TB = 2, TL = 37, TS = 150, TE = 64, TEV = 48 };
+    static uint16_t q[TB * HQ * TL * TE], k[TB * HKV * TS * TE], v[TB * HKV * TS * TEV], out[TB * HQ * TL * TEV];
+    static float lse[TB * HQ * TL];
+    for (int i = 0; i < TB * HQ * TL * TE; i++) q[i] = fa_f32_to_bf16((float)rnd());
+    for (int i = 0; i < TB * HKV * TS * TE; i++) k[i] = fa_f32_to_bf16((float)rnd());
+    for (int i = 0; i < TB * HKV * TS * TEV; i++) v[i] = fa_f32_to_bf16((float)rnd());
+    int64_t kv_len[TB] = {TS, TS - 41};
+    fa_args a;
+    fa_args_init(&a);
+    a.dtype = a.q_dtype = a.out_dtype = FA_BF16;
+    a.B = TB; a.Hq = HQ; a.Hkv = HKV; a.L = TL; a.S = TS; a.E = TE; a.Ev = TEV;
+    a.q = q; a.k = k; a.v = v; a.out = out; a.lse = lse;
+    int64_t qs[3] = {HQ * TL * TE, TL * TE, TE}, ks[3] = {HKV * TS * TE, TS * TE, TE};
+    int64_t vs[3] = {HKV * TS * TEV, TS * TEV, TEV}, os[3] = {HQ * TL * TEV, TL * TEV, TEV}, ls[3] = {HQ * TL, TL, 1};
+    for (int d = 0; d < 3; d++) {
+        a.q_stride[d] = qs[d]; a.k_stride[d] = ks[d]; a.v_stride[d] = vs[d];
+        a.out_stride[d] = os[d]; a.lse_stride[d] = ls[d];
+    }
+    a.scale = 0.125; a.causal = 1; a.kv_len = kv_len; a.num_threads = 2;
+    int rc = fa_attention(&a);
+    check(rc == FA_OK, fa_strerror(rc));
+    double worst = 0, worst_lse = 0;
+    for (int b = 0; b < TB; b++)
+        for (int h = 0; h < HQ; h++)
+            for (int i = 0; i < TL; i++) {
+                const int hk = h / (HQ / HKV), row = (b * HQ + h) * TL + i;
+                const int64_t last = i + kv_len[b] - TL; /* bottom-right causal */
+                double s[TS], mx = -INFINITY, sum = 0, o[TEV] = {0};
+                for (int j = 0; j <= last; j++) {
+                    double dot = 0;
+                    for (int e = 0; e < TE; e++)
+                        dot += (double)fa_bf16_to_f32(q[row * TE + e]) * fa_bf16_to_f32(k[((b * HKV + hk) * TS + j) * TE + e]);
+                    s[j] = dot * 0.125;
+                    mx = fmax(mx, s[j]);
+                }
+                for (int j = 0; j <= last; j++) {
+                    const double p = exp(s[j] - mx);
+                    sum += p;
+                    for (int e = 0; e < TEV; e++) o[e] += p * fa_bf16_to_f32(v[((b * HKV + hk) * TS + j) * TEV + e]);
+                }
+                for (int e = 0; e < TEV; e++) {
+                    const double err = fabs(fa_bf16_to_f32(out[row * TEV + e]) - o[e] / sum);
+                    if (!(err <= worst)) worst = err;
+                }
+                const double lerr = fabs(lse[row] - (mx + log(sum)));
+                if (!(lerr <= worst_lse)) worst_lse = lerr;
+            }
+    char what[128];
+    snprintf(what, sizeof what, "%s bf16 q/k/v/out, E 64, Ev 48: max error %.3g, lse %.3g", fa_isa(), worst,
+             worst_lse);
+    /* |out| ≤ max|v| ≤ 1, where half an ulp of bfloat16 is at most 2^-9; lse is float32 */
+    check(worst <= 1.0 / 256 && worst_lse <= 1e-5, what);
+}
+
 int main(void) {
-    const char *isas[] = {"avx512", "avx2", "sse2", "neon", "scalar"};
-    for (int n = 0; n < 5; n++) {
+    const char *isas[] = {"amx", "avx512", "avx2", "sse2", "neon", "scalar"};
+    for (int n = 0; n < 6; n++) {
         if (!fa_isa_supported(isas[n])) continue;
         check(fa_set_isa(isas[n]) == FA_OK, "fa_set_isa");
         for (int dt = FA_F32; dt <= FA_F64; dt++) {
@@ -215,6 +275,7 @@ int main(void) {
         run_case(FA_I8, 1, FA_ALIGN_BOTTOM_RIGHT, -1, -1);
         run_case(FA_I8, 0, FA_ALIGN_TOP_LEFT, 9, 3);
         mods.channels = 0;
+        run_bf16_out_case();
         printf("%s: checked\n", isas[n]);
     }
     check(fa_set_isa("no-such-isa") == FA_ERR_ISA, "unknown ISA refused");
