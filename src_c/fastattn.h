@@ -132,7 +132,9 @@ int fa_check(const fa_args *args);
 
 const char *fa_strerror(int code);
 
-/* The micro-kernel set in use ("avx512", "avx2", "sse2", "neon", "scalar"). */
+/* The micro-kernel set in use ("amx", "avx512", "avx2", "sse2", "neon", "scalar").
+ * "amx" is "avx512" with bfloat16 q, K, V and out on AMX tiles (E a multiple
+ * of 32, Ev of 16); Linux x86-64 with AMX-BF16 only. */
 const char *fa_isa(void);
 
 /* Forces a micro-kernel set by name (NULL or "" or "auto": the best this CPU

@@ -29,15 +29,16 @@
  */
 #include <immintrin.h>
 
-/* Slots of transposed V blocks a thread keeps: enough for a head of up
- * to FA_AMX_SLOTS blocks (8192 keys); longer heads reuse them in turn
- * (slot = block index modulo the count), so only the blocks still there
- * are found again. */
-#define FA_AMX_SLOTS 128
+/* Slots of transposed V blocks a thread keeps, one per key block j0/FA_BK
+ * of a head, for heads of up to FA_AMX_SLOTS blocks (16384 keys: 2 MiB
+ * at Ev = 64). A longer head keeps its first blocks; the rest go through
+ * one more slot, transposed at every visit (reusing slots in turn would
+ * evict every block before the next item came back to it). */
+#define FA_AMX_SLOTS 256
 
 static int64_t FN(amx_slots)(int64_t S) {
-    const int64_t blocks = S / FA_BK + 2; /* blocks may start anywhere: one more */
-    return blocks < FA_AMX_SLOTS ? blocks : FA_AMX_SLOTS;
+    const int64_t blocks = S / FA_BK + 2; /* blocks may start anywhere: one more, and the spare */
+    return blocks < FA_AMX_SLOTS + 1 ? blocks : FA_AMX_SLOTS + 1;
 }
 
 /* Which block a slot holds: its keys [j0, j0 + nb) of head (b, hk). */
@@ -322,7 +323,7 @@ static void FN(amx_softmax)(const FN(amx_bufs) *x, int nvc, const VT *st, int64_
  * tiles against two lane blocks at a time (C tmm0–3, Vᵀ tmm4–5, P tmm6–7). */
 static void FN(amx_values)(const FN(amx_bufs) *x, VT *ot, const fa_item *it, const uint16_t *v, int64_t v_rs,
                            int64_t j0, int64_t nb, int64_t Ev, int nvc, const VT *alpha) {
-    const int64_t slot = j0 / FA_BK % x->slots;
+    const int64_t slot = j0 / FA_BK < x->slots - 1 ? j0 / FA_BK : x->slots - 1; /* the last: the spare */
     FN(amx_tag) *tag = &x->tags[slot];
     uint16_t *vt = x->vt + slot * (FN(round_up)((size_t)Ev * FA_BK * 2) / 2);
     if (tag->b != it->b || tag->hk != it->hk || tag->j0 != j0 || tag->nb != nb) {
