@@ -14,13 +14,13 @@
  *           (a slot of vt), B is the block's probabilities in key pairs (pv).
  * The items of one (batch entry, K/V head) read the same key blocks, so
  * each thread keeps the blocks of V it transposed, in slots tagged with
- * the block (vt_tags), for the call: the next item of that head finds them.
+ * the block (amx_tag), for the call: the next item of that head finds them.
  * Both results land in the lane layout's arrays (st, ot: a row of BQ floats),
  * so the float code after them is unchanged.
  *
  * Accuracy: the probabilities p ∈ [0, 1] are float32; one bfloat16 would
  * round each by up to 2^-9 relative. Each is split as p = hi + lo (both
- * bfloat16, |p − hi − lo| ≤ 2^-18·p) and both halves are multiplied, so
+ * bfloat16, |p − hi − lo| ≤ 2^-17·p; amx_softmax) and both halves are multiplied, so
  * P·V costs two tile products but keeps ~17 bits of every weight, under the
  * half-ulp of the bfloat16 output by far. That is also why this path is
  * taken only for a bfloat16 out (and bfloat16 q: a float32 q rounded to
@@ -106,12 +106,6 @@ static void FN(amx_begin)(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* qv := Qᵀ in pairs, query row r in lane r % 16 of block r / 16; lanes past
- * rows are 0. The raw bfloat16 bits: scale is applied to the scores. A pair
- * (q[2i], q[2i+1]) is one 32-bit word, so 16 rows × 32 elements is a 16×16
- * transpose of words. Defined after amx_transpose16, which it uses. */
-static void FN(amx_pack_q)(const fa_plan *p, const int64_t *q_row, int64_t rows, int nvc, uint16_t *qv);
-
 /* Sᵀ rows [0, nb) of a block := K·Qᵀ, unscaled (st: rows of BQ floats). Keys
  * go 16 to a tile, two key tiles against two lane blocks at a time (C in
  * tmm0–3, K in tmm4–5, Qᵀ in tmm6–7); a last tile of fewer than 16 keys is
@@ -194,6 +188,10 @@ static inline void FN(amx_transpose16)(__m512i *x) {
     for (int i = 0; i < 16; i++) x[i] = t[i];
 }
 
+/* qv := Qᵀ in pairs, query row r in lane r % 16 of block r / 16; lanes past
+ * rows are 0. The raw bfloat16 bits: scale is applied to the scores. A pair
+ * (q[2i], q[2i+1]) is one 32-bit word, so 16 rows × 32 elements is a 16×16
+ * transpose of words. */
 static void FN(amx_pack_q)(const fa_plan *p, const int64_t *q_row, int64_t rows, int nvc, uint16_t *qv) {
     const int64_t E = p->a->E;
     const uint16_t *q = (const uint16_t *)p->a->q;

@@ -194,3 +194,27 @@ def test_bad_dtype_combinations_are_refused(make, error, match):
     with pytest.raises(error, match=match):
         fastattn.attention(q2, k2, v2, out=out)
     assert (out == 7).all()
+
+
+def test_bfloat16_output_rounds_whole_vectors_like_single_values(isa):
+    """The output's rounding to bfloat16, a vector at a time where a row has
+    whole vectors: ties to even, inf and NaN as ml_dtypes rounds them. With
+    q = 0 both keys weigh 1/2, so out = (v0 + v1)/2 exactly in float32."""
+    Ev = 40  # two vectors of 16 (avx512) or five of 8, and a tail of 8
+    one, ulp = 1.0, 2.0**-7   # bfloat16's spacing at 1
+    v0 = np.full(Ev, one, F32)
+    v1 = np.full(Ev, one, F32)
+    v1[0::4] = one + ulp          # mean 1 + 2^-8: a tie, to even (1)
+    v1[1::4] = one + 3 * ulp      # mean 1 + 3·2^-8: a tie, to even (1 + 2^-6)
+    v1[2::4] = one + ulp / 2      # not a bfloat16: cast first, below
+    v0[3], v0[7], v0[11] = np.inf, np.nan, -np.inf
+    v = np.stack([v0, v1]).astype(BF16)[None, None]          # (1, 1, 2, Ev)
+    q = np.zeros((1, 1, 3, 32), BF16)
+    k = np.zeros((1, 1, 2, 32), BF16)
+    mean = (v[0, 0, 0].astype(F32) + v[0, 0, 1].astype(F32)) / 2
+    want = np.broadcast_to(mean.astype(BF16), (3, Ev))
+    for layout in ("rows", "lanes"):  # a whole row at once; a vector of lanes at a time
+        got = _api.attention_with(q, k, v, {"layout": layout})
+        same = (got[0, 0].view(np.uint16) == want.view(np.uint16)) | (np.isnan(got[0, 0].astype(F32)) &
+                                                                       np.isnan(want.astype(F32)))
+        assert same.all(), (layout, np.argwhere(~same))
