@@ -13,6 +13,7 @@ import concurrent.futures
 import glob
 import importlib.util
 import os
+import shlex
 import sys
 import sysconfig
 import tempfile
@@ -72,6 +73,10 @@ class BuildExt(build_ext):
 
         omp_compile, omp_link = self._find_openmp()
         base = manifest.FLAGS + omp_compile
+        # Per-ISA kernels whose flags this compiler does not know are left
+        # out (dispatch.c then never offers them), not a failed build.
+        accepts = manifest.compiler_accepts(shlex.join(self.compiler.compiler_so)) \
+            if hasattr(self.compiler, "compiler_so") else None
 
         for ext in self.extensions:
             ext.include_dirs += [manifest.SRC, numpy.get_include()]
@@ -79,13 +84,14 @@ class BuildExt(build_ext):
             ext.extra_link_args += omp_link
             # The FA_HAVE_* macros go to every source (the Cython module too),
             # so all files agree on which kernels exist.
-            ext.define_macros += [(macro, "1") for macro in manifest.macros(TARGET)]
+            ext.define_macros += [(macro, "1") for macro in manifest.macros(TARGET, accepts)]
             # Every C file is compiled here, one compiler process per core:
             # setuptools compiles an extension's sources one after the other
             # with one flag list, and the per-ISA kernels need flags of their
             # own. The four kernel files take most of a minute on one core.
             with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-                jobs = [pool.submit(self._compile, ext, path, base + own) for path, own in manifest.steps(TARGET)]
+                jobs = [pool.submit(self._compile, ext, path, base + own)
+                        for path, own in manifest.steps(TARGET, accepts)]
                 # Cythonize here, not at import of setup.py: metadata-only calls
                 # (egg_info, sdist) then neither need Cython nor write _kernel.c.
                 binding = cythonize(ext, force=True, compiler_directives=CYTHON_DIRECTIVES)[0].sources

@@ -32,12 +32,13 @@ SOURCES = ["attention.c", "check.c", "plan.c", "pool.c", "dispatch.c", "kernels_
 # x86-64 only: (file, macro, flags). Only these files may hold AVX/AVX-512
 # instructions, so each is compiled alone with its own flags; dispatch.c picks
 # one at run time, and the library still runs on a CPU without them. The
-# macros go to every file, so that all agree on which kernels exist.
+# macros go to every file, so that all agree on which kernels exist. A build
+# leaves out the ones whose flags its compiler does not know (accepts=,
+# compiler_accepts): GCC 9 and 10, for one, have no AMX flags.
 ISA_X86_64 = [
     ("kernels_avx2.c", "FA_HAVE_AVX2", ["-mavx2", "-mfma", "-mf16c"]),
     ("kernels_avx512.c", "FA_HAVE_AVX512",
      ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"]),
-    # GCC >= 11 or clang >= 12 (older compilers do not know these flags)
     ("kernels_amx.c", "FA_HAVE_AMX",
      ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
       "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]),
@@ -83,30 +84,46 @@ def is_x86_64(target):
     return any(part in ("x86_64", "amd64") for part in target.lower().split("-"))
 
 
-def isa_kernels(target):
-    """(file, macro, flags) of the per-ISA kernels for target: none off x86-64."""
-    return ISA_X86_64 if is_x86_64(target) else []
+def isa_kernels(target, accepts=None):
+    """(file, macro, flags) of the per-ISA kernels for target: none off x86-64.
+    accepts(flags) -> bool, when given, keeps only those the compiler can build."""
+    kernels = ISA_X86_64 if is_x86_64(target) else []
+    return [k for k in kernels if accepts is None or accepts(tuple(k[2]))]
 
 
-def macros(target):
-    return [macro for _, macro, _ in isa_kernels(target)]
+def compiler_accepts(cc):
+    """accepts= for isa_kernels: whether cc compiles a C file with these flags
+    (asked once per flag list)."""
+    known = {}
+
+    def accepts(flags):
+        if flags not in known:
+            r = subprocess.run([*shlex.split(cc), *flags, "-x", "c", "-c", "-", "-o", os.devnull],
+                               input="int fa_probe;\n", capture_output=True, text=True)
+            known[flags] = r.returncode == 0
+        return known[flags]
+    return accepts
 
 
-def steps(target):
+def macros(target, accepts=None):
+    return [macro for _, macro, _ in isa_kernels(target, accepts)]
+
+
+def steps(target, accepts=None):
     """The compile steps for target, one per source: (path, flags of its own).
     Each also takes cflags(target)."""
     return ([(f"{SRC}/{name}", []) for name in SOURCES]
-            + [(f"{SRC}/{name}", list(own)) for name, _, own in isa_kernels(target)])
+            + [(f"{SRC}/{name}", list(own)) for name, _, own in isa_kernels(target, accepts)])
 
 
-def cflags(target, extra=()):
+def cflags(target, extra=(), accepts=None):
     """Flags for every file: common, OpenMP, the caller's (later ones win), headers, macros."""
-    return [*FLAGS, OPENMP, *extra, f"-I{SRC}", *(f"-D{m}" for m in macros(target))]
+    return [*FLAGS, OPENMP, *extra, f"-I{SRC}", *(f"-D{m}" for m in macros(target, accepts))]
 
 
-def link_command(cc, programs, inputs, exe, target, extra=()):
+def link_command(cc, programs, inputs, exe, target, extra=(), accepts=None):
     """cc compiling and linking programs with inputs (a library, objects or sources)."""
-    return [cc, *cflags(target, extra), *programs, *inputs, "-o", exe, *LIBS]
+    return [cc, *cflags(target, extra, accepts), *programs, *inputs, "-o", exe, *LIBS]
 
 
 def _object(out, path):
@@ -135,6 +152,7 @@ def build_lib(cc="cc", out=OUT, extra=(), target=None, program=None):
     so a cross compiler gets its own kernels), printing each command; with
     program, also link out/<its name> against it. Returns the library's path."""
     target = target or _ask(cc, "-dumpmachine")
+    accepts = compiler_accepts(cc)
     os.makedirs(out, exist_ok=True)
 
     def run(cmd):
@@ -143,8 +161,8 @@ def build_lib(cc="cc", out=OUT, extra=(), target=None, program=None):
 
     # One compiler per file, as many at once as there are processors: the
     # per-ISA kernels take most of the time and build independently.
-    commands = [[cc, *cflags(target, extra), *own, "-c", path, "-o", _object(out, path)]
-                for path, own in steps(target)]
+    commands = [[cc, *cflags(target, extra, accepts), *own, "-c", path, "-o", _object(out, path)]
+                for path, own in steps(target, accepts)]
     objects = [c[-1] for c in commands]
     with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
         list(pool.map(run, commands))
@@ -154,7 +172,7 @@ def build_lib(cc="cc", out=OUT, extra=(), target=None, program=None):
     run([os.environ.get("AR") or _ask(cc, "-print-prog-name=ar"), "rcs", lib, *objects])
     if program:
         exe = os.path.join(out, os.path.splitext(os.path.basename(program))[0])
-        run(link_command(cc, [program], [lib], exe, target, extra))
+        run(link_command(cc, [program], [lib], exe, target, extra, accepts))
     return lib
 
 

@@ -159,6 +159,25 @@ def test_manifest_gives_per_isa_kernels_to_x86_64_only(target):
     assert paths[:len(MANIFEST.SOURCES)] == [f"src_c/{n}" for n in MANIFEST.SOURCES]
 
 
+def test_manifest_leaves_out_kernels_the_compiler_cannot_build(tmp_path):
+    """A compiler that does not know a kernel's flags (GCC 9 and 10 have no
+    AMX flags) builds the library without that kernel, not a failed build;
+    the probe asks the real compiler, here a wrapper refusing -mamx-tile."""
+    old = tmp_path / "old-cc"
+    old.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = -mamx-tile ] && exit 1; done\nexec cc "$@"\n')
+    old.chmod(0o755)
+    accepts = MANIFEST.compiler_accepts(str(old))
+    assert accepts(("-mavx2",)) and not accepts(("-mavx2", "-mamx-tile"))
+    paths = [path for path, _ in MANIFEST.steps("x86_64", accepts)]
+    assert "src_c/kernels_amx.c" not in paths and "src_c/kernels_avx512.c" in paths
+    flags = MANIFEST.cflags("x86_64", accepts=accepts)
+    assert "-DFA_HAVE_AVX512" in flags and "-DFA_HAVE_AMX" not in flags
+    # the probe does not drop what a compiler can build: every compiler that
+    # builds fastattn knows the AVX2 and AVX-512 flags
+    cc = MANIFEST.compiler_accepts("cc")
+    assert all(cc(tuple(own)) for name, _, own in MANIFEST.ISA_X86_64 if name != "kernels_amx.c")
+
+
 def test_manifest_flags_keep_fma_and_portability():
     flags = [f for _, own in MANIFEST.steps("x86_64") for f in own] + MANIFEST.cflags("x86_64")
     assert "-std=gnu99" in flags and "-std=c99" not in flags   # c99 turns FMA contraction off
