@@ -208,11 +208,8 @@ static void FN(amx_pack_q)(const fa_plan *p, const int64_t *q_row, int64_t rows,
 /* Word indices that interleave the two 256-bit halves of a vector: element
  * 2c is the low half's c, 2c + 1 the high half's c. */
 static inline __m512i FN(amx_interleave_idx)(void) {
-    uint16_t idx[32];
-    for (int c = 0; c < 16; c++) {
-        idx[2 * c] = (uint16_t)c;
-        idx[2 * c + 1] = (uint16_t)(16 + c);
-    }
+    static const uint16_t idx[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
     return _mm512_loadu_si512(idx);
 }
 

@@ -303,7 +303,6 @@ static size_t FN(scratch_bytes)(int64_t E, int64_t Ev, int64_t S) {
     size_t lanes = FN(lanes_scratch_bytes)(E, Ev), rows = FN(rows_scratch_bytes)(E, Ev);
 #if defined(FA_AMX_TILES)
     lanes += FA_ALIGN + FN(amx_bytes)(E, Ev, S); /* a call's state first, the tiles' after the lane layout's */
-    if (rows < lanes) rows = lanes;              /* the row layout's items run in the same scratch */
 #else
     (void)S;
 #endif

@@ -349,14 +349,13 @@ static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, const fa_rows 
 #else
 #define FA_ROW_SCALE(sc, j) NULL, 0
 #endif
-#define FA_K_BLK s.kt
-#define FA_V_BLK s.vt
 #else
     const int64_t k_rs = a->k_stride[2], v_rs = a->v_stride[2];
-#define FA_K_BLK (k + j0 * k_rs)
-#define FA_V_BLK (v + j0 * v_rs)
 #endif
-#if !defined(FA_AMX_TILES)
+#if defined(FA_AMX_TILES)
+    /* the tiles' scores stay unscaled unless something adds to them */
+    const int scaled = modify || a->mask_kind == FA_MASK_ADD;
+#else
     (void)amx;
 #endif
     for (int u = 0; u < FA_NV; u++) {
@@ -370,10 +369,12 @@ static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, const fa_rows 
     int folds = 0;
     for (int64_t j0 = f->j_begin; j0 < f->j_end; j0 += FA_BK) {
         const int64_t nb = f->j_end - j0 < FA_BK ? f->j_end - j0 : FA_BK;
+#if FA_CONVERTS
+        const T *k_blk = s.kt, *v_blk = s.vt; /* converted below, unless the tiles read K and V in place */
+#else
+        const T *k_blk = k + j0 * k_rs, *v_blk = v + j0 * v_rs;
+#endif
 #if defined(FA_AMX_TILES)
-        /* bfloat16 read in place by the tiles, no conversion; the scores
-         * stay unscaled unless something adds to them */
-        const int scaled = modify || a->mask_kind == FA_MASK_ADD;
         if (amx) {
             FN(amx_scores)(amx, s.st, k + j0 * a->k_stride[2], a->k_stride[2], nb, E, nvc);
             if (scaled) FN(amx_scale)(s.st, nb, nvc, (T)p->scale);
@@ -384,7 +385,7 @@ static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, const fa_rows 
             FN(kv_rows)(s.kt, E, k + j0 * a->k_stride[2], a->k_stride[2], nb, E, FA_ROW_SCALE(ks, j0));
             FN(kv_rows)(s.vt, Ev, v + j0 * a->v_stride[2], a->v_stride[2], nb, Ev, FA_ROW_SCALE(vs, j0));
 #endif
-            CN(scores_tile)(nvc, s.st, FA_K_BLK, k_rs, s.qt, E, nb, FA_V_BLK, v_rs, Ev);
+            CN(scores_tile)(nvc, s.st, k_blk, k_rs, s.qt, E, nb, v_blk, v_rs, Ev);
         }
         if (modify) CN(lanes_modify)(a, s.st, nvc, j0, nb, neg_slope, diag);
         FN(mask_block)((T *)s.st, 1, BQ, a, f, lo, hi, m_row, rows, j0, nb);
@@ -396,7 +397,7 @@ static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, const fa_rows 
 #endif
         {
             CN(softmax_block)(nvc, s.st, nb, s.m, s.l, s.alpha);
-            CN(values_tile)(nvc, s.ot, FA_V_BLK, v_rs, s.st, Ev, nb, j0 == fresh ? 0 : s.alpha);
+            CN(values_tile)(nvc, s.ot, v_blk, v_rs, s.st, Ev, nb, j0 == fresh ? 0 : s.alpha);
         }
         if (j0 + FA_BK < f->j_end && j0 + FA_BK - fresh == FA_FOLD * FA_BK) {
             CN(lanes_fold)(nvc, Ev, s, !folds++);
@@ -409,8 +410,6 @@ static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, const fa_rows 
         CN(lanes_unfold)(nvc, Ev, s);
     }
 #undef FA_ROW_SCALE
-#undef FA_K_BLK
-#undef FA_V_BLK
 }
 
 #if !FA_CONVERTS
@@ -465,10 +464,12 @@ static void FN(lanes_item)(const fa_plan *p, const fa_item *it, void *scratch) {
     if (p->a->alibi_slopes || p->a->sinks) FN(item_mods)(p, it, nvc * W, neg_slope, diag, sink);
 #if defined(FA_AMX_TILES)
     /* The tile buffers follow the lane layout's (amx_bytes). */
-    FN(amx_bufs) tiles = FN(amx_carve)(call_state, (char *)scratch + FN(lanes_scratch_bytes)(p->a->E, p->a->Ev),
-                                       p->a->E, p->a->Ev, p->a->S);
-    const FN(amx_bufs) *amx = FN(amx_usable)(p) ? &tiles : NULL;
-    if (amx) {
+    FN(amx_bufs) tiles;
+    const FN(amx_bufs) *amx = NULL;
+    if (FN(amx_usable)(p)) {
+        tiles = FN(amx_carve)(call_state, (char *)scratch + FN(lanes_scratch_bytes)(p->a->E, p->a->Ev), p->a->E,
+                              p->a->Ev, p->a->S);
+        amx = &tiles;
         FN(amx_begin)();
         FN(amx_pack_q)(p, q_row, it->rows, nvc, tiles.qv);
     } else
