@@ -79,7 +79,7 @@ cdef extern from "internal.h" nogil:
 
 LAYOUTS = {"auto": 0, "lanes": 1, "rows": 2}
 
-ISAS = ("amx", "avx512", "avx2", "sse2", "neon", "scalar")
+ISAS = ("amx", "avx512bf16", "avx512", "avx2", "sse2", "neon", "scalar")
 
 
 cdef void _strides(cnp.ndarray x, int64_t *dst, int n):

@@ -16,6 +16,9 @@ static const fa_isa_table *const fa_all_isas[] = {
 #if defined(FA_HAVE_AMX)
     &fa_isa_amx,
 #endif
+#if defined(FA_HAVE_AVX512BF16)
+    &fa_isa_avx512bf16,
+#endif
 #if defined(FA_HAVE_AVX512)
     &fa_isa_avx512,
 #endif
@@ -62,6 +65,9 @@ static int cpu_runs(const fa_isa_table *k) {
 #if defined(FA_HAVE_AMX)
     if (k == &fa_isa_amx)
         return cpu_runs(&fa_isa_avx512) && __builtin_cpu_supports("avx512bf16") && amx_granted();
+#endif
+#if defined(FA_HAVE_AVX512BF16)
+    if (k == &fa_isa_avx512bf16) return cpu_runs(&fa_isa_avx512) && __builtin_cpu_supports("avx512bf16");
 #endif
 #if defined(FA_HAVE_AVX512)
     if (k == &fa_isa_avx512)

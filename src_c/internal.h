@@ -91,6 +91,9 @@ extern const fa_isa_table fa_isa_avx2;
 #if defined(FA_HAVE_AVX512)
 extern const fa_isa_table fa_isa_avx512;
 #endif
+#if defined(FA_HAVE_AVX512BF16)
+extern const fa_isa_table fa_isa_avx512bf16;
+#endif
 #if defined(FA_HAVE_AMX)
 extern const fa_isa_table fa_isa_amx;
 #endif

@@ -295,6 +295,10 @@ static inline T *FN(item_lse)(const fa_item *it, const fa_args *a) {
 #if defined(FA_AMX) && defined(FA_KV_BF16)
 #define FA_AMX_TILES 1
 #endif
+/* kernels_avx512bf16.c's bfloat16 entry: the lane layout's scores on VDPBF16PS. */
+#if defined(FA_DPBF16) && defined(FA_KV_BF16)
+#define FA_DPBF16_SCORES 1
+#endif
 
 #include "kernel_lanes.h"
 #include "kernel_rows.h"
@@ -361,3 +365,4 @@ static const fa_kernel FN(kernel) = {
 #undef FA_CONVERTS
 #undef CN
 #undef FA_AMX_TILES
+#undef FA_DPBF16_SCORES

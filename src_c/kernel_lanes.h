@@ -215,6 +215,10 @@ static void FN(softmax_block)(int nvc, VT *st, int64_t nb, VT *m, VT *l, VT *alp
 
 #endif /* !FA_CONVERTS: tiles and softmax */
 
+#if defined(FA_DPBF16_SCORES)
+#include "kernel_dpbf16.h"
+#endif
+
 /* One thread's lane-layout scratch, carved from the buffer the driver gives;
  * kt, vt: a key block of K and V converted to T (16-bit and int8 storage). */
 #if !FA_CONVERTS
@@ -358,6 +362,9 @@ static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, const fa_rows 
 #else
     (void)amx;
 #endif
+#if defined(FA_DPBF16_SCORES)
+    const int dp = FN(dp_usable)(p); /* lanes_item packed Qᵀ in pairs */
+#endif
     for (int u = 0; u < FA_NV; u++) {
         s.m[u] = FN(v_splat)(-(T)INFINITY);
         s.l[u] = (VT){0};
@@ -378,6 +385,13 @@ static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, const fa_rows 
         if (amx) {
             FN(amx_scores)(amx, s.st, k + j0 * a->k_stride[2], a->k_stride[2], nb, E, nvc);
             if (scaled) FN(amx_scale)(s.st, nb, nvc, (T)p->scale);
+        } else
+#endif
+#if defined(FA_DPBF16_SCORES)
+        if (dp) { /* K's bfloat16 pairs read in place; V converted as below */
+            FN(dp_scores)(nvc, s.st, k + j0 * a->k_stride[2], a->k_stride[2], s.qt, E, nb, v + j0 * a->v_stride[2],
+                          a->v_stride[2], Ev, (T)p->scale);
+            FN(kv_rows)(s.vt, Ev, v + j0 * a->v_stride[2], a->v_stride[2], nb, Ev, NULL, 0);
         } else
 #endif
         {
@@ -475,6 +489,10 @@ static void FN(lanes_item)(const fa_plan *p, const fa_item *it, void *scratch) {
     } else
 #else
     const void *amx = NULL;
+#endif
+#if defined(FA_DPBF16_SCORES)
+    if (FN(dp_usable)(p)) FN(dp_pack_q)(p, q_row, it->rows, nvc, s.qt);
+    else
 #endif
         CN(lanes_pack_q)(p, q_row, it->rows, nvc, fa_item_channels(p->a, it), s.qt);
     FN(lanes_blocks)(p, it, &f, lo, hi, m_row, neg_slope, diag, nvc, s, amx);

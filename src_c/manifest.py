@@ -39,6 +39,8 @@ ISA_X86_64 = [
     ("kernels_avx2.c", "FA_HAVE_AVX2", ["-mavx2", "-mfma", "-mf16c"]),
     ("kernels_avx512.c", "FA_HAVE_AVX512",
      ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"]),
+    ("kernels_avx512bf16.c", "FA_HAVE_AVX512BF16",
+     ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c", "-mavx512bf16"]),
     ("kernels_amx.c", "FA_HAVE_AMX",
      ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
       "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]),

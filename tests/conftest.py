@@ -43,8 +43,9 @@ def pytest_report_header(config):
 
 def _fixture_isas():
     """Every micro-kernel set this CPU supports, less those FASTATTN_TEST_SKIP_ISAS
-    names (comma-separated): tools/sanitize.sh skips amx, whose entries but one
-    are avx512's code again (tests/test_amx.py still runs that one there)."""
+    names (comma-separated): tools/sanitize.sh skips amx and avx512bf16, whose
+    entries but one are avx512's code again (tests/test_amx.py and
+    tests/test_dpbf16.py still run that one there)."""
     skip = set(os.environ.get("FASTATTN_TEST_SKIP_ISAS", "").split(","))
     return [name for name in fastattn.available_isas() if name not in skip]
 

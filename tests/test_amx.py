@@ -9,25 +9,17 @@ path the entry has (layouts forced, split-KV, GQA, masks, causal both
 ways, windows, kv_lengths, modifiers, explicit positions), with shapes
 whose L and S are not multiples of the tiles (16) or the key block (64).
 Skipped where the CPU has no AMX."""
-import zlib
-
 import numpy as np
 import pytest
 
 import fastattn
-from fastattn import _api, reference
+from fastattn import _api
 
-from _helpers import tolerance
-
-ml_dtypes = pytest.importorskip("ml_dtypes")
-BF16, F32, F64 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32), np.dtype(np.float64)
+pytest.importorskip("ml_dtypes")
+from _bf16_sets import BF16, F32, OPTIONS, case as _case, check as _check, seeded as _rng, with_isa as _with  # noqa: E402
 
 pytestmark = pytest.mark.skipif("amx" not in fastattn.available_isas(),
                                 reason="this CPU (or OS) offers no AMX-BF16")
-
-
-def _rng(*key):
-    return np.random.default_rng(zlib.crc32(repr(key).encode()))
 
 
 @pytest.fixture
@@ -37,58 +29,8 @@ def amx():
     fastattn.set_isa(None)
 
 
-def _with(isa, fn):
-    fastattn.set_isa(isa)
-    try:
-        return fn()
-    finally:
-        fastattn.set_isa(None)
-
-
 # B, Hq, Hkv, L, S, E, Ev: E multiples of 32, Ev of 16; L, S ragged
 SHAPES = [(2, 4, 2, 77, 150, 64, 64), (1, 3, 1, 45, 301, 32, 48), (1, 2, 2, 19, 1000, 128, 16)]
-OPTIONS = {
-    "plain": {},
-    "causal_kvlen": dict(causal=True, kv_lengths=True),
-    "top_left_window_bool_mask": dict(causal="top_left", window=(40, 3), mask="bool"),
-    "additive_mask": dict(mask="add"),
-    "modifiers": dict(softcap=5.0, sinks=True, alibi=True, causal=True),
-    "positions": dict(causal=True, positions=True, window=(64, 0)),
-}
-
-
-def _case(shape, opt):
-    B, Hq, Hkv, L, S, E, Ev = shape
-    rng = _rng(shape, opt)
-    q = rng.standard_normal((B, Hq, L, E)).astype(BF16)
-    k = rng.standard_normal((B, Hkv, S, E)).astype(BF16)
-    v = rng.standard_normal((B, Hkv, S, Ev)).astype(BF16)
-    kw = dict(OPTIONS[opt])
-    if kw.pop("kv_lengths", False):
-        kw["kv_lengths"] = rng.integers(S // 2, S + 1, size=B)
-    mask = kw.pop("mask", None)
-    if mask == "bool":
-        kw["mask"] = rng.random((B, 1, L, S)) < 0.8
-    elif mask == "add":  # finfo.min hides, as transformers' padding masks do
-        add = rng.standard_normal((B, Hq, L, S)).astype(F32)
-        add[rng.random(add.shape) < 0.2] = np.finfo(F32).min
-        kw["mask"] = add
-    if kw.pop("sinks", False):
-        kw["sinks"] = rng.standard_normal(Hq)
-    if kw.pop("alibi", False):
-        kw["alibi_slopes"] = 2.0 ** -rng.integers(1, 8, size=Hq).astype(F64)
-    if kw.pop("positions", False):
-        kw["q_start"] = rng.integers(S - L, S + 5, size=B)
-        kw["k_start"] = rng.integers(0, 7, size=B)
-    return q, k, v, kw
-
-
-def _check(got, q, k, v, **kw):
-    want = reference.attention(q.astype(F64), k.astype(F64), v.astype(F64), **kw)
-    tol = tolerance(q, k, v, **kw)
-    assert got.dtype == BF16
-    err = float(np.max(np.abs(got.astype(F64) - want)))
-    assert err <= tol, f"max error {err:.3g} > tolerance {tol:.3g}"
 
 
 @pytest.mark.parametrize("opt", OPTIONS)

@@ -90,7 +90,7 @@ def test_header_is_self_contained(tmp_path):
     _run(MANIFEST.cc_line(platform.machine(), cc, [str(src)], str(exe)), shell=True)
     r = _run([str(exe)])
     isa = re.search(r"^isa=(\S+)$", r.stdout, re.M)
-    assert isa and isa.group(1) in ("amx", "avx512", "avx2", "sse2", "neon", "scalar"), r.stdout
+    assert isa and isa.group(1) in ("amx", "avx512bf16", "avx512", "avx2", "sse2", "neon", "scalar"), r.stdout
     heads = re.search(r"^heads=(.+)$", r.stdout, re.M)
     assert heads and "Hkv" in heads.group(1), r.stdout
 
@@ -152,8 +152,9 @@ def test_manifest_gives_per_isa_kernels_to_x86_64_only(target):
     paths = [path for path, _ in MANIFEST.steps(target)]
     avx = [path for path in paths if "avx" in path or "amx" in path]
     if target in X86_64:
-        assert avx == ["src_c/kernels_avx2.c", "src_c/kernels_avx512.c", "src_c/kernels_amx.c"]
-        assert {"-DFA_HAVE_AVX512", "-DFA_HAVE_AMX"} <= set(MANIFEST.cflags(target))
+        assert avx == ["src_c/kernels_avx2.c", "src_c/kernels_avx512.c", "src_c/kernels_avx512bf16.c",
+                       "src_c/kernels_amx.c"]
+        assert {"-DFA_HAVE_AVX512", "-DFA_HAVE_AVX512BF16", "-DFA_HAVE_AMX"} <= set(MANIFEST.cflags(target))
     else:
         assert avx == [] and MANIFEST.macros(target) == []
     assert paths[:len(MANIFEST.SOURCES)] == [f"src_c/{n}" for n in MANIFEST.SOURCES]
@@ -173,9 +174,11 @@ def test_manifest_leaves_out_kernels_the_compiler_cannot_build(tmp_path):
     flags = MANIFEST.cflags("x86_64", accepts=accepts)
     assert "-DFA_HAVE_AVX512" in flags and "-DFA_HAVE_AMX" not in flags
     # the probe does not drop what a compiler can build: every compiler that
-    # builds fastattn knows the AVX2 and AVX-512 flags
+    # builds fastattn knows the AVX2 and AVX-512 flags (AVX512-BF16's came
+    # with GCC 10, AMX's with GCC 11)
     cc = MANIFEST.compiler_accepts("cc")
-    assert all(cc(tuple(own)) for name, _, own in MANIFEST.ISA_X86_64 if name != "kernels_amx.c")
+    assert all(cc(tuple(own)) for name, _, own in MANIFEST.ISA_X86_64
+               if name not in ("kernels_avx512bf16.c", "kernels_amx.c"))
 
 
 def test_manifest_flags_keep_fma_and_portability():

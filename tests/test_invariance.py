@@ -323,7 +323,7 @@ def test_every_isa_agrees(case):
         assert np.max(np.abs(out.astype(f64) - first)) <= tol, name
 
 
-KNOWN_ISAS = ["amx", "avx512", "avx2", "sse2", "neon", "scalar"]
+KNOWN_ISAS = ["amx", "avx512bf16", "avx512", "avx2", "sse2", "neon", "scalar"]
 
 
 def test_set_isa_and_available_isas():

@@ -13,7 +13,7 @@ from fastattn import _kernel
 
 # (dtype, lowest x that must still be accurate, the ulp bound with and without FMA)
 EXP2_CASES = [(np.float32, -125.0), (np.float64, -1021.0)]
-FMA_ISAS = {"amx", "avx512", "avx2", "neon"}
+FMA_ISAS = {"amx", "avx512bf16", "avx512", "avx2", "neon"}
 
 
 def _ulp_error(y, x, dtype):
@@ -46,7 +46,7 @@ def test_exp2_special_values(isa, dtype, lowest):
 
 def test_available_isas_best_first_and_scalar_always():
     isas = fastattn.available_isas()
-    order = ["amx", "avx512", "avx2", "sse2", "neon", "scalar"]
+    order = list(_kernel.ISAS)  # best first
     assert isas == sorted(isas, key=order.index)
     assert isas[-1] == "scalar" and len(isas) >= 2
     assert fastattn.info()["isa"] == isas[0] or os.environ.get("FASTATTN_ISA")
@@ -80,7 +80,9 @@ def test_cpu_features_agree_with_the_isas_dispatch_offers():
         assert {"avx2", "fma", "f16c"} <= features
     if "avx512" in isas:
         assert {"avx512f", "avx512bw", "avx512vl", "avx512dq", "f16c"} <= features
+    if "avx512bf16" in isas:
+        assert {"avx512f", "avx512bf16"} <= features and "avx512" in isas
     if "amx" in isas:
-        assert {"avx512f", "avx512bf16", "amx-bf16"} <= features and "avx512" in isas
+        assert {"avx512f", "avx512bf16", "amx-bf16"} <= features and "avx512bf16" in isas
     if "neon" in isas:
         assert "neon" in features

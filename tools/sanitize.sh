@@ -129,9 +129,10 @@ done
 pytest_half() {  # pytest_half LOG FILES...: one half, its output to LOG
     local out=$1
     shift
-    # The amx set is avx512's code but for its bfloat16 lane items, which
-    # tests/test_amx.py and the C API program run: the isa fixture skips it.
-    FASTATTN_TEST_SKIP_ISAS=amx "$venv/bin/pytest" -q --capture=sys -p no:cacheprovider -k "not $LEAK_TEST and not c_decode_example" \
+    # The amx and avx512bf16 sets are avx512's code but for their bfloat16
+    # lane items, which tests/test_amx.py, tests/test_dpbf16.py and the C API
+    # program run: the isa fixture skips them.
+    FASTATTN_TEST_SKIP_ISAS=amx,avx512bf16 "$venv/bin/pytest" -q --capture=sys -p no:cacheprovider -k "not $LEAK_TEST and not c_decode_example" \
         "$@" >"$out" 2>&1
 }
 both_halves() {

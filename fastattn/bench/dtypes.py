@@ -90,8 +90,9 @@ STORAGES = {s.name: s for s in (
     Storage("float16", "float16", "float16", ("full", "decode"),
             "q, k, v and out in float16, computed in float32"),
     Storage("bfloat16", "bfloat16", "bfloat16", ("full", "decode"),
-            "q, k, v and out in bfloat16 (ml_dtypes), computed in float32 (on the amx set: "
-            "Q·Kᵀ and P·V on AMX tiles, exact bfloat16 products summed in float32)"),
+            "q, k, v and out in bfloat16 (ml_dtypes), computed in float32 (exact bfloat16 "
+            "products summed in float32: on the amx set Q·Kᵀ and P·V on AMX tiles, on the "
+            "avx512bf16 set Q·Kᵀ with VDPBF16PS)"),
     Storage("int8", "float32", "int8", ("decode",),
             "int8 KV cache: float32 q and out, K/V int8 with one float32 scale per "
             "(batch, head, token) row; decode shapes only"),

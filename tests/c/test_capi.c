@@ -183,8 +183,9 @@ static void run_case(int dtype, int causal, int align, int64_t wl, int64_t wr) {
 }
 
 /* bfloat16 q, K, V and out, E a multiple of 32 and Ev of 16: the amx set
- * runs its tile products on this (src_c/kernel_amx.h), every other set its
- * float code. Causal GQA with ragged L and S against a naive double loop on
+ * runs its tile products on this (src_c/kernel_amx.h), the avx512bf16 set
+ * its VDPBF16PS scores (src_c/kernel_dpbf16.h), every other set its float
+ * code. Causal GQA with ragged L and S against a naive double loop on
  * the same bfloat16 values; the output's rounding to bfloat16 (2^-8 relative
  * at most) dominates the error. */
 static void run_bf16_out_case(void) {
@@ -243,8 +244,8 @@ static void run_bf16_out_case(void) {
 }
 
 int main(void) {
-    const char *isas[] = {"amx", "avx512", "avx2", "sse2", "neon", "scalar"};
-    for (int n = 0; n < 6; n++) {
+    const char *isas[] = {"amx", "avx512bf16", "avx512", "avx2", "sse2", "neon", "scalar"};
+    for (int n = 0; n < (int)(sizeof isas / sizeof isas[0]); n++) {
         if (!fa_isa_supported(isas[n])) continue;
         check(fa_set_isa(isas[n]) == FA_OK, "fa_set_isa");
         for (int dt = FA_F32; dt <= FA_F64; dt++) {

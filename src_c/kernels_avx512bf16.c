@@ -1,0 +1,15 @@
+/* kernels_avx512bf16.c — the AVX-512 set again, with the bfloat16 entry's
+ * lane-layout scores on AVX512-BF16's VDPBF16PS (kernel_dpbf16.h) for
+ * bfloat16 q; compiled with the AVX-512 flags plus -mavx512bf16. Chosen
+ * before avx512 where the CPU has AVX512-BF16 and not AMX (AMD Zen 4 and 5;
+ * dispatch.c). Same tile sizes as kernels_avx512.c, so every other entry
+ * computes the same bits as there. */
+#define FA_ISA avx512bf16
+#define FA_ISA_NAME "avx512bf16"
+#define FA_VBYTES_F32 64
+#define FA_VBYTES_F64 64
+#define FA_NV 4
+#define FA_MR 6
+#define FA_BK 64
+#define FA_DPBF16 1
+#include "kernel_isa.h"
