@@ -547,6 +547,14 @@ def test_16_bit_run_produces_checked_rows(monkeypatch, name):
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[1] == name and cells[3][-1] in "✓✗" and "GB/s" in cells[4]
     assert cells[5].startswith("NumPy ")
+    # against the fastest peer: decoding needs 1.5×, a full shape only to be ahead (over 1×)
+    for shape, target in (("dd", 1.5), ("df", 1.0)):
+        cells = [c.strip() for c in next(line for line in cmp.splitlines()
+                                          if line.startswith(f"| {shape}: ")).strip("|").split("|")]
+        ratio, mark = float(cells[6].split("×")[0]), cells[6][-1]
+        if abs(ratio - target) > 0.006:  # printed to 2 decimals: a ratio at the target can round either way
+            assert mark == ("✓" if ratio > target else "✗"), cells
+    assert report._mark(1.0, 1.0, strictly=True).endswith("✗") and report._mark(1.01, 1.0, strictly=True).endswith("✓")
 
 
 def test_int8_rows_run_on_decode_shapes_only(monkeypatch):
