@@ -80,19 +80,17 @@ static inline __attribute__((always_inline)) void FN(dp_tile)(
 }
 
 /* Sᵀ rows [0, nb) of a block, from K's bfloat16 rows in place (prefetching
- * the next block's K and V rows for items of one vector, as scores_tile_n). */
+ * the next block's K rows into L2 for items of one vector, as scores_tile_n;
+ * kv_rows does V's as it converts them). */
 static inline __attribute__((always_inline)) void FN(dp_scores_n)(
-    const int NVC, VT *st, const uint16_t *k, int64_t k_rs, const VT *qt2, int64_t E, int64_t nb,
-    const uint16_t *v, int64_t v_rs, int64_t Ev, T scale) {
+    const int NVC, VT *st, const uint16_t *k, int64_t k_rs, const VT *qt2, int64_t E, int64_t nb, T scale) {
     const VT sc = FN(v_splat)(scale);
     const int64_t E2 = E / 2;
     int64_t j = 0;
     for (; j + FA_MR <= nb; j += FA_MR) {
         if (NVC == 1)
-            for (int64_t i = j + FA_BK; i < j + FA_BK + FA_MR; i++) {
-                for (int64_t e = 0; e < E; e += 32) __builtin_prefetch(k + i * k_rs + e);
-                for (int64_t e = 0; e < Ev; e += 32) __builtin_prefetch(v + i * v_rs + e);
-            }
+            for (int64_t i = j + FA_BK; i < j + FA_BK + FA_MR; i++)
+                for (int64_t e = 0; e < E; e += 32) __builtin_prefetch(k + i * k_rs + e, 0, 2);
         FN(dp_tile)(FA_MR, NVC, st + j * FA_NV, k + j * k_rs, k_rs, qt2, E2, sc);
     }
     switch (nb - j) {
@@ -104,12 +102,12 @@ static inline __attribute__((always_inline)) void FN(dp_scores_n)(
 
 /* One instantiation per vectors of lanes in use, as scores_tile. */
 static void FN(dp_scores)(int nvc, VT *st, const uint16_t *k, int64_t k_rs, const VT *qt2, int64_t E, int64_t nb,
-                          const uint16_t *v, int64_t v_rs, int64_t Ev, T scale) {
+                          T scale) {
     _Static_assert(FA_NV == 4, "one case per width below");
     switch (nvc) {
-    case 1: FN(dp_scores_n)(1, st, k, k_rs, qt2, E, nb, v, v_rs, Ev, scale); break;
-    case 2: FN(dp_scores_n)(2, st, k, k_rs, qt2, E, nb, v, v_rs, Ev, scale); break;
-    case 3: FN(dp_scores_n)(3, st, k, k_rs, qt2, E, nb, v, v_rs, Ev, scale); break;
-    default: FN(dp_scores_n)(4, st, k, k_rs, qt2, E, nb, v, v_rs, Ev, scale); break;
+    case 1: FN(dp_scores_n)(1, st, k, k_rs, qt2, E, nb, scale); break;
+    case 2: FN(dp_scores_n)(2, st, k, k_rs, qt2, E, nb, scale); break;
+    case 3: FN(dp_scores_n)(3, st, k, k_rs, qt2, E, nb, scale); break;
+    default: FN(dp_scores_n)(4, st, k, k_rs, qt2, E, nb, scale); break;
     }
 }

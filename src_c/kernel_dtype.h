@@ -113,12 +113,16 @@ static inline VT FN(kv_load_part)(const KV *p, int n) {
 #if FA_CONVERTS
 /* dst rows (stride d_rs) := n rows of cols elements from src (stride s_rs),
  * converted; int8 rows times their scale (scale[j·sc_rs]). The lane layout
- * converts each key block into L1 this way, then runs the float tiles on it. */
+ * converts each key block into L1 this way, then runs the float tiles on it.
+ * prefetch: ask for the next block's rows (FA_BK on) into L2 as it goes, as
+ * scores_tile_n does for float storage (items of one vector of rows). */
 static void FN(kv_rows)(T *dst, int64_t d_rs, const KV *src, int64_t s_rs, int64_t n, int64_t cols,
-                        const float *scale, int64_t sc_rs) {
+                        const float *scale, int64_t sc_rs, int prefetch) {
     const int64_t full = cols / W * W;
     for (int64_t j = 0; j < n; j++) {
         const KV *s = src + j * s_rs;
+        if (prefetch)
+            for (int64_t e = 0; e < cols; e += 64 / (int64_t)sizeof(KV)) __builtin_prefetch(s + FA_BK * s_rs + e, 0, 2);
         T *d = dst + j * d_rs;
 #if defined(FA_KV_I8)
         const VT sc = FN(v_splat)(scale[j * sc_rs]);

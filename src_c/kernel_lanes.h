@@ -103,13 +103,15 @@ static inline __attribute__((always_inline)) void TILE(
 #endif
 
 /* Rows [j, j + n) of the next block's K and V (FA_BK rows on), asked for
- * now. Prefetching never faults, so rows past the end cost nothing. */
+ * now, into L2: a block ahead of two streams is more than L1 holds, and into
+ * L1 it evicted the block in use (docs/tuning.md). Prefetching never faults,
+ * so rows past the end cost nothing. */
 static inline __attribute__((always_inline)) void FN(prefetch_next)(
     const T *k, int64_t k_rs, int64_t E, const T *v, int64_t v_rs, int64_t Ev, int64_t j, int64_t n) {
     const int64_t line = 64 / (int64_t)sizeof(T);
     for (int64_t i = j + FA_BK; i < j + FA_BK + n; i++) {
-        for (int64_t e = 0; e < E; e += line) __builtin_prefetch(k + i * k_rs + e);
-        for (int64_t e = 0; e < Ev; e += line) __builtin_prefetch(v + i * v_rs + e);
+        for (int64_t e = 0; e < E; e += line) __builtin_prefetch(k + i * k_rs + e, 0, 2);
+        for (int64_t e = 0; e < Ev; e += line) __builtin_prefetch(v + i * v_rs + e, 0, 2);
     }
 }
 
@@ -128,13 +130,13 @@ static inline __attribute__((always_inline)) void FN(prefetch_next)(
  * from cache and skip this. */
 static inline __attribute__((always_inline)) void FN(scores_tile_n)(
     const int NVC, VT *st, const T *k, int64_t k_rs, const VT *qt, int64_t E, int64_t nb,
-    const T *v, int64_t v_rs, int64_t Ev) {
+    const T *v, int64_t v_rs, int64_t Ev, int prefetch) {
     int64_t j = 0;
     for (; j + FA_MR <= nb; j += FA_MR) {
-        if (NVC == 1) FN(prefetch_next)(k, k_rs, E, v, v_rs, Ev, j, FA_MR);
+        if (NVC == 1 && prefetch) FN(prefetch_next)(k, k_rs, E, v, v_rs, Ev, j, FA_MR);
         TILE(FA_MR, NVC, st + j * FA_NV, k + j * k_rs, k_rs, 1, qt, E, 0);
     }
-    if (NVC == 1) FN(prefetch_next)(k, k_rs, E, v, v_rs, Ev, j, nb - j);
+    if (NVC == 1 && prefetch) FN(prefetch_next)(k, k_rs, E, v, v_rs, Ev, j, nb - j);
     switch (nb - j) { /* the last rows in one narrower tile, each width compiled on its own */
 #define FA_TAIL(n) case n: TILE(n, NVC, st + j * FA_NV, k + j * k_rs, k_rs, 1, qt, E, 0); break;
         FA_TAILS
@@ -169,9 +171,11 @@ static inline __attribute__((always_inline)) void FN(values_tile_n)(
     default: call(FA_NV); break;                                  \
     }
 
+/* prefetch: k and v are the caller's K and V (not a converted block in
+ * scratch), so the next block's rows are worth asking for. */
 static void FN(scores_tile)(int nvc, VT *st, const T *k, int64_t k_rs, const VT *qt, int64_t E, int64_t nb,
-                            const T *v, int64_t v_rs, int64_t Ev) {
-#define FA_CALL(n) FN(scores_tile_n)(n, st, k, k_rs, qt, E, nb, v, v_rs, Ev)
+                            const T *v, int64_t v_rs, int64_t Ev, int prefetch) {
+#define FA_CALL(n) FN(scores_tile_n)(n, st, k, k_rs, qt, E, nb, v, v_rs, Ev, prefetch)
     FA_BY_WIDTH(nvc, FA_CALL)
 #undef FA_CALL
 }
@@ -389,17 +393,16 @@ static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, const fa_rows 
 #endif
 #if defined(FA_DPBF16_SCORES)
         if (dp) { /* K's bfloat16 pairs read in place; V converted as below */
-            FN(dp_scores)(nvc, s.st, k + j0 * a->k_stride[2], a->k_stride[2], s.qt, E, nb, v + j0 * a->v_stride[2],
-                          a->v_stride[2], Ev, (T)p->scale);
-            FN(kv_rows)(s.vt, Ev, v + j0 * a->v_stride[2], a->v_stride[2], nb, Ev, NULL, 0);
+            FN(dp_scores)(nvc, s.st, k + j0 * a->k_stride[2], a->k_stride[2], s.qt, E, nb, (T)p->scale);
+            FN(kv_rows)(s.vt, Ev, v + j0 * a->v_stride[2], a->v_stride[2], nb, Ev, NULL, 0, nvc == 1);
         } else
 #endif
         {
 #if FA_CONVERTS
-            FN(kv_rows)(s.kt, E, k + j0 * a->k_stride[2], a->k_stride[2], nb, E, FA_ROW_SCALE(ks, j0));
-            FN(kv_rows)(s.vt, Ev, v + j0 * a->v_stride[2], a->v_stride[2], nb, Ev, FA_ROW_SCALE(vs, j0));
+            FN(kv_rows)(s.kt, E, k + j0 * a->k_stride[2], a->k_stride[2], nb, E, FA_ROW_SCALE(ks, j0), nvc == 1);
+            FN(kv_rows)(s.vt, Ev, v + j0 * a->v_stride[2], a->v_stride[2], nb, Ev, FA_ROW_SCALE(vs, j0), nvc == 1);
 #endif
-            CN(scores_tile)(nvc, s.st, k_blk, k_rs, s.qt, E, nb, v_blk, v_rs, Ev);
+            CN(scores_tile)(nvc, s.st, k_blk, k_rs, s.qt, E, nb, v_blk, v_rs, Ev, !FA_CONVERTS);
         }
         if (modify) CN(lanes_modify)(a, s.st, nvc, j0, nb, neg_slope, diag);
         FN(mask_block)((T *)s.st, 1, BQ, a, f, lo, hi, m_row, rows, j0, nb);

@@ -45,7 +45,7 @@ static inline __attribute__((always_inline)) void FN(dot_scores_n)(
         for (int64_t jj = 0; jj < nk; jj++) {
             const KV *kj = k + (j0 + jj) * k_rs;
             /* The next block's row: decoding streams K and V from memory once. */
-            for (int64_t e = 0; e < E; e += 64 / (int64_t)sizeof(KV)) __builtin_prefetch(kj + FA_BK * k_rs + e);
+            for (int64_t e = 0; e < E; e += 64 / (int64_t)sizeof(KV)) __builtin_prefetch(kj + FA_BK * k_rs + e, 0, 2);
             VT acc[FA_FEW];
             for (int r = 0; r < R; r++) acc[r] = (VT){0};
             for (int64_t u = 0; u < full; u++) {
@@ -89,7 +89,7 @@ static inline __attribute__((always_inline)) void FN(dot_values_n)(
         for (int64_t j = 0; j < nb; j++) {
             const KV *vj = v + j * v_rs + u0 * W;
             /* the next block's row, each cache line that starts in these G vectors once */
-            for (int64_t e = e0; e < (u0 + g) * W; e += line) __builtin_prefetch(v + (j + FA_BK) * v_rs + e);
+            for (int64_t e = e0; e < (u0 + g) * W; e += line) __builtin_prefetch(v + (j + FA_BK) * v_rs + e, 0, 2);
             for (int i = 0; i < G; i++) {
                 if (i >= g) break;
                 const VT vv = u0 + i < full ? FN(kv_load)(vj + i * W) : FN(kv_load_part)(vj + i * W, (int)tail);
