@@ -109,15 +109,6 @@ static inline VT FN(v_loadu)(const T *x) {
     return v;
 }
 
-/* Σ of the lanes, as a tree (W/2 + W/4 + … adds, log2 W deep). */
-static inline T FN(v_hsum)(VT x) {
-    T t[W];
-    memcpy(t, &x, sizeof t);
-    for (int w = W / 2; w > 0; w /= 2)
-        for (int u = 0; u < w; u++) t[u] += t[u + w];
-    return t[0];
-}
-
 /* W in the preprocessor, for the shuffle index lists below. */
 #define FA_WPP (FA_VBYTES / (FA_MANT == 23 ? 4 : 8))
 
@@ -165,6 +156,26 @@ static inline void FN(v_transpose)(VT *x) {
 }
 #undef FA_STAGE
 
+/* Σ of the lanes, as a tree (W/2 + W/4 + … adds, log2 W deep): at each
+ * stage h = W/2 … 1 lane u takes lane u + h, in registers. */
+#define FA_DOWN(j, h) ((j) < (h) ? (j) + (h) : (j))
+static inline T FN(v_hsum)(VT x) {
+#if FA_WPP >= 16
+    x += __builtin_shufflevector(x, x, FA_IDX(FA_DOWN, 8));
+#endif
+#if FA_WPP >= 8
+    x += __builtin_shufflevector(x, x, FA_IDX(FA_DOWN, 4));
+#endif
+#if FA_WPP >= 4
+    x += __builtin_shufflevector(x, x, FA_IDX(FA_DOWN, 2));
+#endif
+#if FA_WPP >= 2
+    x += __builtin_shufflevector(x, x, FA_IDX(FA_DOWN, 1));
+#endif
+    return x[0];
+}
+#undef FA_DOWN
+
 /* x[0..W) := Σ of each vector's lanes, all W sums in one vector: returns y
  * with y[i] = Σ_u x[i][u]. A transpose-and-add tree: each stage pairs vector
  * i with vector i + n/2 and halves segments of length s, so lane block
@@ -202,6 +213,15 @@ static inline VT FN(v_hsums)(VT *x) {
 #undef FA_SUM_B
 #undef FA_IDX
 #else
+/* Σ of the lanes, as a tree (W/2 + W/4 + … adds, log2 W deep). */
+static inline T FN(v_hsum)(VT x) {
+    T t[W];
+    memcpy(t, &x, sizeof t);
+    for (int w = W / 2; w > 0; w /= 2)
+        for (int u = 0; u < w; u++) t[u] += t[u + w];
+    return t[0];
+}
+
 static inline void FN(v_transpose)(VT *x) {
     T t[W][W];
     memcpy(t, x, sizeof t);
