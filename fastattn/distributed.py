@@ -459,11 +459,17 @@ class ShardedKVCache:
             # comes (Ray 2.60): on a machine whose cores also run the shards,
             # that core is taken from their kernels. So sleep through most of
             # the time the fastest recent call took, then wait.
+            # The nap and the wait share the call's one deadline: a slow first
+            # call (CI saw one over 3 s) must not make a later nap outlast the
+            # timeout and so take in an answer that came too late.
             nap = _GRAPH_SLEEP * min(self._graph_steps) if self._graph_steps else 0.0
+            if timeout is not None:
+                nap = min(nap, _GRAPH_SLEEP * timeout)
             if nap >= _GRAPH_SLEEP_MIN:
                 time.sleep(nap)
             # -1: wait for ever (None would mean the graph's own 10 s default)
-            results = ray.get(ref, timeout=-1 if timeout is None else timeout)
+            left = -1 if timeout is None else max(timeout - (time.perf_counter() - start), 1e-3)
+            results = ray.get(ref, timeout=left)
             self._graph_steps = self._graph_steps[-(_GRAPH_HISTORY - 1):] + [time.perf_counter() - start]
         except Exception:
             self._drop_graph()

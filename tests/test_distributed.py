@@ -390,6 +390,9 @@ def test_slow_shard_times_out_naming_it_then_answers(fd, compiled):
     _fill(rng, [cache], [15], 1, 1, 8, "float32")
     q = randn(rng, (1, 1, 1, 8))
     before = cache.attend(q)
+    # As if the graph's recent calls had taken 10 s (CI saw a first one over
+    # 3 s): the driver's nap before it waits must still end within the timeout.
+    cache._graph_steps = [10.0]
     _slow_down(cache.actors[1], 2)
     with pytest.raises(fd.ShardError, match="shard 1 of 2: attend did not answer within 0.5 s"):
         cache.attend(q, timeout=0.5)

@@ -116,8 +116,23 @@ def test_right_padded_forward_float32(name):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_bfloat16_first_16_tokens(name):
+    """eager's 16 greedy tokens, step by step: given eager's prefix, fastattn's
+    next token is eager's at every step, except where eager's own two best
+    logits are the same bfloat16 number. There the pick is made by index
+    order, not arithmetic, and any of the tied tokens is right (on AMD Zen 4,
+    Mistral's step 6 ties in eager bfloat16; the float32 model picks the
+    token fastattn picks). Free-running, the tokens are eager's up to its first tie."""
     model, ids = _model(name, torch.bfloat16), _prompt(seed=4)
-    assert torch.equal(_generate(model, "fastattn", ids, n=16), _generate(model, "eager", ids, n=16))
+    want = _generate(model, "eager", ids, n=16)
+    seq, L = torch.cat([ids, want], 1), ids.shape[1]
+    eager, ours = (_logits(model, impl, seq)[0, L - 1:-1] for impl in ("eager", "fastattn"))
+    best = eager.max(-1, keepdim=True).values
+    tied = (eager == best).sum(-1) > 1
+    for step in range(16):
+        pick = ours[step].argmax().item()
+        assert eager[step, pick] == best[step] if tied[step] else pick == want[0, step].item(), step
+    first_tie = int(tied.nonzero()[0]) if tied.any() else 16
+    assert torch.equal(_generate(model, "fastattn", ids, n=16)[:, :first_tie], want[:, :first_tie])
     err = (_logits(model, "fastattn", ids) - _logits(model, "eager", ids)).abs().max().item()
     assert err <= LOGITS_ATOL_BF16
 
