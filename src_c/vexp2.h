@@ -108,13 +108,17 @@ static inline VT FN(v_exp2)(VT x) {
 #endif
 }
 
-/* 2^x − 1 for x ≤ 0 (the softcap's tanh), accurate where 2^x − 1 cancels:
- * n = round(x), f = x − n, 2^x − 1 = 2^n·(2^f − 1) + (2^n − 1), with
- * 2^f − 1 = f·tail(f) from the polynomial above (no 1 added and taken away)
- * and 2^n exact. For n = 0 that is f·tail(f) alone: a relative error of a
- * few ulp down to the smallest x. x below the exp2 range returns −1; NaN
- * stays NaN. */
-static inline VT FN(v_exp2m1)(VT x) {
+/* 2^x − 1 and 2^x for x ≤ 0 (the softcap's tanh), from one range reduction,
+ * 2^x − 1 accurate where it cancels:
+ * n = round(x), f = x − n, p = 2^f − 1 = f·tail(f) from the polynomial above
+ * (no 1 added and taken away), 2^n exact, then
+ *     2^x − 1 = 2^n·p + (2^n − 1),   2^x = 2^n·p + 2^n
+ * (one rounding each). For n = 0 the first is p alone: a relative error of a
+ * few ulp down to the smallest x. x below the exp2 range gives −1 for the
+ * first and 2^−125·(1 + p) for the second (not 0: the caller's 1 − 2w/d
+ * rounds it away); NaN gives NaN in the first only (the caller's division by
+ * 2 + (2^x − 1) carries it). */
+static inline VT FN(v_exp2m1_pair)(VT x, VT *e2) {
 #if FA_MANT == 23
     const T shifter = 0x1.8p23f, lowest = -125;
     const FA_TU one_bits = 127;
@@ -129,7 +133,9 @@ static inline VT FN(v_exp2m1)(VT x) {
     VT f = xc - n;
     VU n_bits = (VU)big - (VU)FN(v_splat)(shifter);
     VT two_n = (VT)((n_bits + one_bits) << FA_MANT);   /* 2^n, n in [lowest, 0] */
-    VT r = two_n * (f * FN(exp2_poly_tail)(f)) + (two_n - 1);
+    VT p = f * FN(exp2_poly_tail)(f);
+    *e2 = two_n * p + two_n;
+    VT r = two_n * p + (two_n - 1);
     r = FN(v_select)(under, FN(v_splat)(-1), r);
     return FN(v_select)((VU)(x != x), x, r);
 }
