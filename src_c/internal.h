@@ -29,6 +29,22 @@ static inline int fa_io_dtype(int kv, int io) {
     return io ? io : kv == FA_I8 ? FA_F32 : kv;
 }
 
+/* The bytes [p, p + bytes) into L2 (prefetcht1), one prefetch per 64 bytes
+ * from p, four per pass: decoding prefetches every line of the next key
+ * block, and a loop step per line cost more instructions than the
+ * prefetches themselves (callgrind, docs/tuning.md). */
+static inline void fa_prefetch_l2(const void *p, int64_t bytes) {
+    const char *c = (const char *)p;
+    int64_t i = 0;
+    for (; i + 256 <= bytes; i += 256) {
+        __builtin_prefetch(c + i, 0, 2);
+        __builtin_prefetch(c + i + 64, 0, 2);
+        __builtin_prefetch(c + i + 128, 0, 2);
+        __builtin_prefetch(c + i + 192, 0, 2);
+    }
+    for (; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 2);
+}
+
 /* Rows a row-layout item holds at most (its per-row arrays live on the stack). */
 #define FA_ROWS_MAX 8
 

@@ -33,8 +33,30 @@ static size_t FN(rows_scratch_bytes)(int64_t E, int64_t Ev) {
  * summed together by v_hsums (one transpose-and-add tree per W scores, not a
  * tree per score). Lanes past nb are written too (st rows hold FA_BK, a
  * multiple of W); rows_softmax overwrites them with −inf. A single row keeps
- * one tree per score: it streams K faster that way (docs/tuning.md). */
+ * one tree per score: it streams K faster that way (docs/tuning.md), and
+ * takes FA_ROW_KEYS keys at a time, each with its own accumulator: one key's
+ * E/W multiply-adds are a chain (16 × 5 cycles at E = 128 on Zen 2, longer
+ * than the loads), so only independent keys keep the FMA units busy. Each
+ * score is still the same sum in the same order: the same bits. */
 _Static_assert(FA_BK % W == 0, "rows of st hold whole vectors of scores");
+#define FA_ROW_KEYS 4
+
+/* One row, keys j0 .. j0 + FA_ROW_KEYS − 1: st[j] = q · K_j. */
+static inline __attribute__((always_inline)) void FN(dot_scores_row)(
+    T *st, const VT *qs, const KV *k, int64_t k_rs, int64_t E, int64_t j0) {
+    const int64_t full = E / W, tail = E % W;
+    VT acc[FA_ROW_KEYS];
+    for (int t = 0; t < FA_ROW_KEYS; t++) {
+        fa_prefetch_l2(k + (j0 + t + FA_BK) * k_rs, E * (int64_t)sizeof(KV));
+        acc[t] = (VT){0};
+    }
+    for (int64_t u = 0; u < full; u++)
+        for (int t = 0; t < FA_ROW_KEYS; t++) acc[t] += qs[u] * FN(kv_load)(k + (j0 + t) * k_rs + u * W);
+    if (tail)
+        for (int t = 0; t < FA_ROW_KEYS; t++)
+            acc[t] += qs[full] * FN(kv_load_part)(k + (j0 + t) * k_rs + full * W, (int)tail);
+    for (int t = 0; t < FA_ROW_KEYS; t++) st[j0 + t] = FN(v_hsum)(acc[t]);
+}
 
 static inline __attribute__((always_inline)) void FN(dot_scores_n)(
     const int R, T *st, const VT *qs, int64_t nE, const KV *k, int64_t k_rs, int64_t E, int64_t nb) {
@@ -42,10 +64,13 @@ static inline __attribute__((always_inline)) void FN(dot_scores_n)(
     for (int64_t j0 = 0; j0 < nb; j0 += W) {
         const int64_t nk = nb - j0 < W ? nb - j0 : W;
         VT part[FA_FEW][W];
-        for (int64_t jj = 0; jj < nk; jj++) {
+        int64_t jj = 0;
+        if (R == 1)
+            for (; jj + FA_ROW_KEYS <= nk; jj += FA_ROW_KEYS) FN(dot_scores_row)(st, qs, k, k_rs, E, j0 + jj);
+        for (; jj < nk; jj++) {
             const KV *kj = k + (j0 + jj) * k_rs;
             /* The next block's row: decoding streams K and V from memory once. */
-            for (int64_t e = 0; e < E; e += 64 / (int64_t)sizeof(KV)) __builtin_prefetch(kj + FA_BK * k_rs + e, 0, 2);
+            fa_prefetch_l2(kj + FA_BK * k_rs, E * (int64_t)sizeof(KV));
             VT acc[FA_FEW];
             for (int r = 0; r < R; r++) acc[r] = (VT){0};
             for (int64_t u = 0; u < full; u++) {
@@ -86,14 +111,27 @@ static inline __attribute__((always_inline)) void FN(dot_values_n)(
         for (int r = 0; r < R; r++)
             for (int i = 0; i < G; i++) acc[r][i] = (VT){0};
         const int64_t line = 64 / (int64_t)sizeof(KV), e0 = (u0 * W + line - 1) / line * line;
-        for (int64_t j = 0; j < nb; j++) {
-            const KV *vj = v + j * v_rs + u0 * W;
-            /* the next block's row, each cache line that starts in these G vectors once */
-            for (int64_t e = e0; e < (u0 + g) * W; e += line) __builtin_prefetch(v + (j + FA_BK) * v_rs + e, 0, 2);
-            for (int i = 0; i < G; i++) {
-                if (i >= g) break;
-                const VT vv = u0 + i < full ? FN(kv_load)(vj + i * W) : FN(kv_load_part)(vj + i * W, (int)tail);
-                for (int r = 0; r < R; r++) acc[r][i] += st[r * FA_BK + j] * vv;
+        /* the next block's row, each cache line that starts in these G vectors once */
+        const int64_t pf_bytes = ((u0 + g) * W - e0) * (int64_t)sizeof(KV);
+        if (g == G && u0 + G <= full) {
+            /* G whole vectors (the usual case): a loop of constant length */
+            for (int64_t j = 0; j < nb; j++) {
+                const KV *vj = v + j * v_rs + u0 * W;
+                fa_prefetch_l2(v + (j + FA_BK) * v_rs + e0, pf_bytes);
+                for (int i = 0; i < G; i++) {
+                    const VT vv = FN(kv_load)(vj + i * W);
+                    for (int r = 0; r < R; r++) acc[r][i] += st[r * FA_BK + j] * vv;
+                }
+            }
+        } else {
+            for (int64_t j = 0; j < nb; j++) {
+                const KV *vj = v + j * v_rs + u0 * W;
+                fa_prefetch_l2(v + (j + FA_BK) * v_rs + e0, pf_bytes);
+                for (int i = 0; i < G; i++) {
+                    if (i >= g) break;
+                    const VT vv = u0 + i < full ? FN(kv_load)(vj + i * W) : FN(kv_load_part)(vj + i * W, (int)tail);
+                    for (int r = 0; r < R; r++) acc[r][i] += st[r * FA_BK + j] * vv;
+                }
             }
         }
         for (int r = 0; r < R; r++)
