@@ -30,9 +30,9 @@ static inline int fa_io_dtype(int kv, int io) {
 }
 
 /* The bytes [p, p + bytes) into L2 (prefetcht1), one prefetch per 64 bytes
- * from p, four per pass: decoding prefetches every line of the next key
- * block, and a loop step per line cost more instructions than the
- * prefetches themselves (callgrind, docs/tuning.md). */
+ * from p, four per pass: the kernels prefetch every line of the next key
+ * block's rows, and in decoding a loop step per line cost more instructions
+ * than the prefetches themselves (callgrind, docs/tuning.md). */
 static inline void fa_prefetch_l2(const void *p, int64_t bytes) {
     const char *c = (const char *)p;
     int64_t i = 0;

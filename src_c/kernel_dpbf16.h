@@ -90,7 +90,7 @@ static inline __attribute__((always_inline)) void FN(dp_scores_n)(
     for (; j + FA_MR <= nb; j += FA_MR) {
         if (NVC == 1)
             for (int64_t i = j + FA_BK; i < j + FA_BK + FA_MR; i++)
-                for (int64_t e = 0; e < E; e += 32) __builtin_prefetch(k + i * k_rs + e, 0, 2);
+                fa_prefetch_l2(k + i * k_rs, E * (int64_t)sizeof(*k));
         FN(dp_tile)(FA_MR, NVC, st + j * FA_NV, k + j * k_rs, k_rs, qt2, E2, sc);
     }
     switch (nb - j) {

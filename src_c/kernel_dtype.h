@@ -121,8 +121,7 @@ static void FN(kv_rows)(T *dst, int64_t d_rs, const KV *src, int64_t s_rs, int64
     const int64_t full = cols / W * W;
     for (int64_t j = 0; j < n; j++) {
         const KV *s = src + j * s_rs;
-        if (prefetch)
-            for (int64_t e = 0; e < cols; e += 64 / (int64_t)sizeof(KV)) __builtin_prefetch(s + FA_BK * s_rs + e, 0, 2);
+        if (prefetch) fa_prefetch_l2(s + FA_BK * s_rs, cols * (int64_t)sizeof(KV));
         T *d = dst + j * d_rs;
 #if defined(FA_KV_I8)
         const VT sc = FN(v_splat)(scale[j * sc_rs]);

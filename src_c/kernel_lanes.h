@@ -108,10 +108,9 @@ static inline __attribute__((always_inline)) void TILE(
  * so rows past the end cost nothing. */
 static inline __attribute__((always_inline)) void FN(prefetch_next)(
     const T *k, int64_t k_rs, int64_t E, const T *v, int64_t v_rs, int64_t Ev, int64_t j, int64_t n) {
-    const int64_t line = 64 / (int64_t)sizeof(T);
     for (int64_t i = j + FA_BK; i < j + FA_BK + n; i++) {
-        for (int64_t e = 0; e < E; e += line) __builtin_prefetch(k + i * k_rs + e, 0, 2);
-        for (int64_t e = 0; e < Ev; e += line) __builtin_prefetch(v + i * v_rs + e, 0, 2);
+        fa_prefetch_l2(k + i * k_rs, E * (int64_t)sizeof(T));
+        fa_prefetch_l2(v + i * v_rs, Ev * (int64_t)sizeof(T));
     }
 }
 

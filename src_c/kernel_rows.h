@@ -93,6 +93,25 @@ static inline __attribute__((always_inline)) void FN(dot_scores_n)(
     }
 }
 
+/* acc[r][i] += Σ_j p[r][j] · V_j[i·W …] for the g vectors at v (column u0·W
+ * of each row), prefetching pf_bytes at pf of the next block's rows. whole
+ * (a constant at each call): all G vectors are whole, so neither the count
+ * nor a tail is tested per key; else `whole_vecs` of them are whole and the
+ * one after has `tail` lanes. */
+static inline __attribute__((always_inline)) void FN(values_group)(
+    const int R, const int G, const int whole, VT acc[][8], const T *st, const KV *v, int64_t v_rs, const KV *pf,
+    int64_t pf_bytes, int64_t nb, int g, int64_t whole_vecs, int64_t tail) {
+    for (int64_t j = 0; j < nb; j++) {
+        const KV *vj = v + j * v_rs;
+        fa_prefetch_l2(pf + j * v_rs, pf_bytes);
+        for (int i = 0; i < G; i++) {
+            if (!whole && i >= g) break;
+            const VT vv = whole || i < whole_vecs ? FN(kv_load)(vj + i * W) : FN(kv_load_part)(vj + i * W, (int)tail);
+            for (int r = 0; r < R; r++) acc[r][i] += st[r * FA_BK + j] * vv;
+        }
+    }
+}
+
 /* o[r] = o[r]·alpha[r] + Σ_j p[r][j] · V_j, one vector of the head dim at a
  * time so the R accumulators stay in registers; first: o[r] = Σ. The sum
  * starts from 0 and meets o once (a blocked sum: see TILE in kernel_item.h). */
@@ -113,27 +132,11 @@ static inline __attribute__((always_inline)) void FN(dot_values_n)(
         const int64_t line = 64 / (int64_t)sizeof(KV), e0 = (u0 * W + line - 1) / line * line;
         /* the next block's row, each cache line that starts in these G vectors once */
         const int64_t pf_bytes = ((u0 + g) * W - e0) * (int64_t)sizeof(KV);
-        if (g == G && u0 + G <= full) {
-            /* G whole vectors (the usual case): a loop of constant length */
-            for (int64_t j = 0; j < nb; j++) {
-                const KV *vj = v + j * v_rs + u0 * W;
-                fa_prefetch_l2(v + (j + FA_BK) * v_rs + e0, pf_bytes);
-                for (int i = 0; i < G; i++) {
-                    const VT vv = FN(kv_load)(vj + i * W);
-                    for (int r = 0; r < R; r++) acc[r][i] += st[r * FA_BK + j] * vv;
-                }
-            }
-        } else {
-            for (int64_t j = 0; j < nb; j++) {
-                const KV *vj = v + j * v_rs + u0 * W;
-                fa_prefetch_l2(v + (j + FA_BK) * v_rs + e0, pf_bytes);
-                for (int i = 0; i < G; i++) {
-                    if (i >= g) break;
-                    const VT vv = u0 + i < full ? FN(kv_load)(vj + i * W) : FN(kv_load_part)(vj + i * W, (int)tail);
-                    for (int r = 0; r < R; r++) acc[r][i] += st[r * FA_BK + j] * vv;
-                }
-            }
-        }
+        /* G whole vectors (the usual case) make the inner loop constant-length */
+        if (g == G && u0 + G <= full)
+            FN(values_group)(R, G, 1, acc, st, v + u0 * W, v_rs, v + FA_BK * v_rs + e0, pf_bytes, nb, g, full - u0, tail);
+        else
+            FN(values_group)(R, G, 0, acc, st, v + u0 * W, v_rs, v + FA_BK * v_rs + e0, pf_bytes, nb, g, full - u0, tail);
         for (int r = 0; r < R; r++)
             for (int i = 0; i < g; i++) {
                 VT *o = &os[r * nEv + u0 + i];
