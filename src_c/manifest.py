@@ -9,6 +9,7 @@ loaded by file path. Paths are relative to the repository root: run it there.
     python3 src_c/manifest.py lib [--cc CC] [--out DIR] [--cflags FLAGS] [--program FILE.c]
     python3 src_c/manifest.py cc-line [--target x86_64|aarch64] [--cc CC] [FILE.c ...] [-o EXE]
     python3 src_c/manifest.py flags | sources [--target x86_64|aarch64]
+    python3 src_c/manifest.py kernels [--runnable]
 """
 import argparse
 import concurrent.futures
@@ -86,11 +87,60 @@ def is_x86_64(target):
     return any(part in ("x86_64", "amd64") for part in target.lower().split("-"))
 
 
+# The CPU flags (as /proc/cpuinfo names them) each per-ISA kernel needs to run;
+# dispatch.c asks CPUID for the same at run time.
+RUNS_ON = {
+    "kernels_avx2.c": {"avx2", "fma", "f16c"},
+    "kernels_avx512.c": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"},
+    "kernels_avx512bf16.c": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c", "avx512_bf16"},
+    "kernels_amx.c": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c", "avx512_bf16",
+                      "amx_tile", "amx_bf16"},
+}
+
+# FASTATTN_ISA_KERNELS=avx2,avx512 builds only the per-ISA kernels named (the
+# <name> of kernels_<name>.c; empty: none). For the checking builds of one
+# machine (tools/sanitize.sh, tools/valgrind.sh): a kernel this CPU cannot run
+# is compiled there for nothing, and the three AVX-512 ones take about 60 % of
+# a build's compile time. Unset: every kernel, as a wheel must have.
+ONLY_ENV = "FASTATTN_ISA_KERNELS"
+
+
+def kernel_name(file):
+    return file[len("kernels_"):-len(".c")]
+
+
+def _only():
+    """The kernel names FASTATTN_ISA_KERNELS keeps, or None when it is unset."""
+    raw = os.environ.get(ONLY_ENV)
+    if raw is None:
+        return None
+    names = {n.strip() for n in raw.split(",") if n.strip()}
+    known = {kernel_name(f) for f, _, _ in ISA_X86_64}
+    if names - known:
+        raise ValueError(f"{ONLY_ENV}={raw!r} names no per-ISA kernel: {', '.join(sorted(names - known))}; "
+                         f"it takes a comma-separated list of {', '.join(sorted(known))}")
+    return names
+
+
 def isa_kernels(target, accepts=None):
     """(file, macro, flags) of the per-ISA kernels for target: none off x86-64.
-    accepts(flags) -> bool, when given, keeps only those the compiler can build."""
+    accepts(flags) -> bool, when given, keeps only those the compiler can build;
+    FASTATTN_ISA_KERNELS, when set, only those it names."""
     kernels = ISA_X86_64 if is_x86_64(target) else []
-    return [k for k in kernels if accepts is None or accepts(tuple(k[2]))]
+    only = _only()
+    return [k for k in kernels if (accepts is None or accepts(tuple(k[2])))
+            and (only is None or kernel_name(k[0]) in only)]
+
+
+def runnable_kernels(cpuinfo="/proc/cpuinfo"):
+    """Names of the per-ISA kernels this CPU can run, from cpuinfo's flags
+    (Linux); every kernel where there is no such file."""
+    try:
+        with open(cpuinfo) as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return [kernel_name(f) for f, _, _ in ISA_X86_64]
+    return [kernel_name(f) for f, _, _ in ISA_X86_64 if RUNS_ON[f] <= set(flags)]
 
 
 def compiler_accepts(cc):
@@ -190,6 +240,8 @@ def main(argv=None):
     line.add_argument("programs", nargs="*", default=["your.c"], metavar="FILE.c")
     line.add_argument("-o", dest="exe", default=None)
     line.add_argument("--cc", default="cc")
+    kern = sub.add_parser("kernels", help="print the per-ISA kernels' names, comma-separated")
+    kern.add_argument("--runnable", action="store_true", help="only those this CPU can run (/proc/cpuinfo)")
     for name in ("flags", "sources"):
         sub.add_parser(name, help=f"print the {name} for the target")
     for s in sub.choices.values():
@@ -200,6 +252,8 @@ def main(argv=None):
         build_lib(a.cc, a.out, shlex.split(a.cflags), a.target, a.program)
     elif a.command == "cc-line":
         print(cc_line(target, a.cc, a.programs, a.exe or os.path.splitext(a.programs[0])[0]))
+    elif a.command == "kernels":
+        print(",".join(runnable_kernels() if a.runnable else [kernel_name(f) for f, _, _ in ISA_X86_64]))
     elif a.command == "sources":
         print("\n".join(path for path, _ in steps(target)))
     else:
