@@ -21,6 +21,11 @@ def c_manifest():
     return module
 
 
+# The C build command of the READMEs and examples/c/decode.c, verbatim:
+# src_c/manifest.py's library and the decode example linked against it.
+C_BUILD = "python3 src_c/manifest.py lib --program examples/c/decode.c"
+
+
 def randn(rng, shape, dtype=np.float32):
     return rng.standard_normal(shape).astype(dtype)
 

@@ -1,12 +1,17 @@
 """Shared test set-up: refuse to test an un-built source tree or a stale build,
-report the build in the header, and the `isa` fixture. Helpers live in _helpers.py."""
+report the build in the header, the `isa` fixture and the session's C library
+(`c_library`). Helpers live in _helpers.py."""
 import os
 import pathlib
+import shlex
+import shutil
+import subprocess
+import sys
 
 import pytest
 
 import fastattn
-from _helpers import c_manifest
+from _helpers import C_BUILD, c_manifest
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -56,3 +61,20 @@ def isa(request):
     fastattn.set_isa(request.param)
     yield request.param
     fastattn.set_isa(None)
+
+
+@pytest.fixture(scope="session")
+def c_library(tmp_path_factory):
+    """The folder holding libfastattn.a and examples/c/decode.c's program, built
+    once for the session by the READMEs' command (C_BUILD) with the system
+    compiler: tests/test_examples.py runs the program, tests/test_c_api.py
+    links its own programs against the library. One build, not one per test
+    file: each takes a minute of both cores on the CI machines."""
+    if shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("no C compiler `cc` on PATH")
+    out = tmp_path_factory.mktemp("c_library")
+    cmd = [sys.executable, *shlex.split(C_BUILD)[1:], "--out", str(out)]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"{shlex.join(cmd)} failed:\n{r.stdout}\n{r.stderr}"
+    (out / "build.log").write_text(r.stdout)   # each command it ran, one a line
+    return out

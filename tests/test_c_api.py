@@ -1,9 +1,11 @@
 """The C API on its own: tests/c/test_capi.c linked against the library that
 src_c/manifest.py builds with the system C compiler (no Python headers), run
 with every ISA and with FASTATTN_ISA=scalar, and cross-built for arm64 under
-qemu; the manifest itself; and a check that fastattn.h compiles on its own,
-linked by the manifest's cc-line."""
+qemu; the manifest itself; and a check that fastattn.h compiles on its own.
+The host programs link against the session's one build of the library
+(conftest's c_library)."""
 import os
+import pathlib
 import platform
 import re
 import shlex
@@ -43,9 +45,19 @@ def _build_capi(out, cc, cflags=""):
     return out / "test_capi"
 
 
+def _link(c_library, program, exe, cc="cc"):
+    """program linked against the session's library (conftest's c_library),
+    by the manifest's own link command for cc's target."""
+    target = subprocess.run([cc, "-dumpmachine"], capture_output=True, text=True, check=True).stdout.strip()
+    _run(MANIFEST.link_command(cc, [str(program)], [str(c_library / MANIFEST.LIB)], str(exe), target,
+                               accepts=MANIFEST.compiler_accepts(cc)))
+    return exe
+
+
 @pytest.fixture(scope="module")
-def capi_binary(tmp_path_factory):
-    return _build_capi(tmp_path_factory.mktemp("capi"), _cc())
+def capi_binary(c_library, tmp_path_factory):
+    return _link(c_library, REPO / "tests" / "c" / "test_capi.c", tmp_path_factory.mktemp("capi") / "test_capi",
+                 os.environ.get("CC", "cc"))
 
 
 def _check_summary(result):
@@ -70,9 +82,9 @@ def test_capi_program_passes_with_scalar_isa(capi_binary):
     _check_summary(r)
 
 
-def test_header_is_self_contained(tmp_path):
+def test_header_is_self_contained(tmp_path, c_library):
     """fastattn.h alone, strict C99: it includes what it needs itself."""
-    cc = _cc()
+    cc = os.environ.get("CC", "cc")
     src = tmp_path / "uses_header.c"
     src.write_text(
         '#include "fastattn.h"\n'
@@ -86,13 +98,36 @@ def test_header_is_self_contained(tmp_path):
     _run([cc, "-std=c99", "-pedantic", "-Wall", "-Werror", f"-I{SRC}", "-c", str(src),
           "-o", str(tmp_path / "uses_header.o")])
     # Then link and run it, to see the two calls answer.
-    exe = tmp_path / "uses_header"
-    _run(MANIFEST.cc_line(platform.machine(), cc, [str(src)], str(exe)), shell=True)
-    r = _run([str(exe)])
+    r = _run([str(_link(c_library, src, tmp_path / "uses_header", cc))])
     isa = re.search(r"^isa=(\S+)$", r.stdout, re.M)
     assert isa and isa.group(1) in ("amx", "avx512bf16", "avx512", "avx2", "sse2", "neon", "scalar"), r.stdout
     heads = re.search(r"^heads=(.+)$", r.stdout, re.M)
     assert heads and "Hkv" in heads.group(1), r.stdout
+
+
+def test_cc_line_compiles_what_the_library_build_does(c_library):
+    """`manifest.py cc-line`, the READMEs' one-line build without a library:
+    each per-ISA kernel compiled alone with the very command the library build
+    ran (which the tests above link against and run), then one command that
+    compiles the common sources with the library build's flags and links.
+    Compared, not run: running it compiles every kernel once more, a minute
+    of CI time for the same compiler commands."""
+    ran = [shlex.split(line) for line in (c_library / "build.log").read_text().splitlines()]
+    compiled = {c[c.index("-c") + 1]: c[:c.index("-c")] for c in ran if "-c" in c}   # source -> flags
+    exe = "/somewhere/prog"
+    commands = [shlex.split(c) for c in MANIFEST.cc_line(platform.machine(), "cc", ["prog.c"], exe).split(" && ")]
+    *kernels, last = commands
+    for c in kernels:
+        source, obj = c[c.index("-c") + 1], c[c.index("-o") + 1]
+        if source in compiled:   # the library build leaves out a kernel its compiler cannot build
+            assert c[:c.index("-c")] == compiled[source], source
+        assert obj == f"/somewhere/{pathlib.PurePath(source).stem}.o"
+    assert [c[c.index("-c") + 1] for c in kernels] == [p for p, own in MANIFEST.steps(platform.machine()) if own]
+    common = [p for p, own in MANIFEST.steps(platform.machine()) if not own]
+    assert last[:len(compiled[common[0]])] == compiled[common[0]]   # the same flags as the library's sources
+    objects = [c[c.index("-o") + 1] for c in kernels]
+    assert last[len(compiled[common[0]]):] == ["prog.c", *common, *objects, "-o", exe, *MANIFEST.LIBS]
+    assert {c[c.index("-c") + 1] for c in ran if "-c" in c} >= set(common)
 
 
 def test_capi_on_arm64_under_qemu(tmp_path):
@@ -179,6 +214,44 @@ def test_manifest_leaves_out_kernels_the_compiler_cannot_build(tmp_path):
     cc = MANIFEST.compiler_accepts("cc")
     assert all(cc(tuple(own)) for name, _, own in MANIFEST.ISA_X86_64
                if name not in ("kernels_avx512bf16.c", "kernels_amx.c"))
+
+
+def test_isa_kernels_variable_builds_only_the_kernels_it_names(monkeypatch):
+    """FASTATTN_ISA_KERNELS (tools/sanitize.sh and tools/valgrind.sh build
+    only what the CPU runs): the named kernels' steps and macros, no others;
+    empty: none; a name of no kernel is refused, naming it."""
+    monkeypatch.setenv(MANIFEST.ONLY_ENV, "avx512, avx2")
+    paths = [path for path, _ in MANIFEST.steps("x86_64")]
+    assert paths == [f"src_c/{n}" for n in MANIFEST.SOURCES] + ["src_c/kernels_avx2.c", "src_c/kernels_avx512.c"]
+    assert MANIFEST.macros("x86_64") == ["FA_HAVE_AVX2", "FA_HAVE_AVX512"]
+    monkeypatch.setenv(MANIFEST.ONLY_ENV, "")
+    assert MANIFEST.macros("x86_64") == [] and "-DFA_HAVE_AVX2" not in MANIFEST.cflags("x86_64")
+    monkeypatch.setenv(MANIFEST.ONLY_ENV, "avx2,avx3")
+    with pytest.raises(ValueError, match=r"FASTATTN_ISA_KERNELS='avx2,avx3' names no per-ISA kernel: avx3; "
+                                         r"it takes a comma-separated list of amx, avx2, avx512, avx512bf16"):
+        MANIFEST.steps("x86_64")
+    monkeypatch.delenv(MANIFEST.ONLY_ENV)
+    assert len(MANIFEST.macros("x86_64")) == len(MANIFEST.ISA_X86_64)
+
+
+def test_runnable_kernels_read_the_cpu_flags_as_the_dispatch_does(tmp_path):
+    """manifest.runnable_kernels (what tools/sanitize.sh builds) from a
+    cpuinfo's flags; on this machine it agrees with the kernels dispatch.c
+    finds (less AMX, which also needs the OS's leave)."""
+    assert set(MANIFEST.RUNS_ON) == {name for name, _, _ in MANIFEST.ISA_X86_64}
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma f16c avx512f avx512bw avx512vl\n")
+    assert MANIFEST.runnable_kernels(str(info)) == ["avx2"]   # no avx512dq: no AVX-512 kernel
+    info.write_text("flags\t: sse2 avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_bf16\n")
+    assert MANIFEST.runnable_kernels(str(info)) == ["avx2", "avx512", "avx512bf16"]
+    assert MANIFEST.runnable_kernels(str(tmp_path / "missing")) == ["avx2", "avx512", "avx512bf16", "amx"]
+    if not (platform.machine() == "x86_64" and os.path.exists("/proc/cpuinfo")):
+        return
+    names = {MANIFEST.kernel_name(f) for f in MANIFEST.RUNS_ON}
+    here, found = set(MANIFEST.runnable_kernels()), set(fastattn.available_isas()) & names
+    assert found <= here
+    if os.environ.get(MANIFEST.ONLY_ENV) is None:   # a build of every kernel
+        assert here - {"amx"} <= found
 
 
 def test_manifest_flags_keep_fma_and_portability():

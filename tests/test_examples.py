@@ -6,17 +6,13 @@ import importlib.util
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 
 import pytest
-from _helpers import REPO, c_manifest
+from _helpers import C_BUILD as BUILD, REPO, c_manifest
 
 EXAMPLES = REPO / "examples"
-# The build command of the READMEs and decode.c, verbatim: the test runs
-# exactly what users are told to, into a temporary folder.
-BUILD = "python3 src_c/manifest.py lib --program examples/c/decode.c"
 
 
 def _run(cmd, **kw):
@@ -33,14 +29,10 @@ def test_readmes_show_the_build_command():
 
 
 @pytest.fixture(scope="module")
-def decode_binary(tmp_path_factory):
-    if shutil.which(os.environ.get("CC", "cc")) is None:
-        pytest.skip("no C compiler `cc` on PATH")
-    out = tmp_path_factory.mktemp("decode")
-    cmd = [sys.executable, *shlex.split(BUILD)[1:], "--out", str(out)]
-    r = _run(cmd)
-    assert r.returncode == 0, f"{shlex.join(cmd)} failed:\n{r.stdout}\n{r.stderr}"
-    return out / "decode"
+def decode_binary(c_library):
+    """The program the READMEs' build command makes (conftest's c_library runs
+    that command verbatim, into a temporary folder)."""
+    return c_library / "decode"
 
 
 @pytest.mark.parametrize("isa, threads", [(None, "2"), ("scalar", "1")])
