@@ -402,6 +402,30 @@ def test_slow_shard_times_out_naming_it_then_answers(fd, compiled):
     cache.close()
 
 
+def test_graph_sleep_follows_the_calls_not_the_warm_up(fd):
+    """Before it waits (spinning) for the compiled graph, the driver sleeps
+    0.6 of the fastest recent call. The first call after compiling is Ray's
+    warm-up (seconds) and is not recorded; a call whose result was already
+    there after the sleep is recorded as half the sleep, so a sleep grown too
+    long shrinks within a few calls (recording the whole sleep shrank it by
+    only 0.6 a call: twelve calls and 9 s after one slow call)."""
+    rng = np.random.default_rng(13)
+    cache = fd.ShardedKVCache(num_shards=2, batch=1, num_kv_heads=1, capacity_per_shard=10, head_dim=8)
+    _fill(rng, [cache], [15], 1, 1, 8, "float32")
+    q = randn(rng, (1, 1, 1, 8))
+    first = cache.attend(q)
+    if cache._graph is False:
+        pytest.skip("this Ray compiles no graph: plain calls only")
+    assert cache._graph_steps == []
+    cache._graph_steps = [1.0]   # as if the recent calls had taken a second
+    _same_bits(cache.attend(q), first)   # sleeps 0.6 s; the result (1-2 ms) is waiting
+    assert cache._graph_steps[-1] == pytest.approx(0.3)
+    for _ in range(3):
+        _same_bits(cache.attend(q), first)
+    assert min(cache._graph_steps) < 0.03, cache._graph_steps   # 0.3, 0.09, 0.027, ...
+    cache.close()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "int8"])
 def test_refused_appends_change_nothing(fd, dtype):
     """Over capacity: refused by the driver before anything is sent. NaN into
