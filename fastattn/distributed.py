@@ -39,10 +39,11 @@ _PASSED = ("scale", "softcap", "alibi_slopes", "num_threads")
 # 0.6 overran: 1.65 ms overhead instead of 0.89, docs/distributed.md).
 # What a call took is only known when the result came after the sleep: one
 # that was already waiting (ray.get then took a tenth of the sleep or less)
-# took at most the sleep, and is recorded as half of it. Recording the whole sleep instead shrank a too-long sleep by only 0.6 a
-# call: after a 3.6 s first call, the next twelve calls of a 1-2 ms graph took
-# 9 s in all. The first call after compiling is not recorded at all (Ray
-# warms the graph up then: 2-4 s on 2 cores).
+# took at most the sleep, and is recorded as half of it. Recording the whole
+# sleep instead shrank a too-long sleep by only 0.6 a call: after a 3.6 s
+# first call, the next twelve calls of a 1-2 ms graph took 9 s in all. The
+# first call after compiling is not recorded at all (Ray warms the graph up
+# then: 2-4 s on 2 cores).
 _GRAPH_SLEEP, _GRAPH_HISTORY, _GRAPH_SLEEP_MIN = 0.6, 8, 5e-4
 # One execution in flight, as the driver never has more: Ray (2.60) keeps
 # shared-memory buffers for as many as it allows (default 10), and does not

@@ -40,6 +40,8 @@ static size_t FN(rows_scratch_bytes)(int64_t E, int64_t Ev) {
  * score is still the same sum in the same order: the same bits. */
 _Static_assert(FA_BK % W == 0, "rows of st hold whole vectors of scores");
 #define FA_ROW_KEYS 4
+/* Vectors of the head dim one row's P·V sums at a time (dot_values_n). */
+#define FA_ROW_GROUP 8
 
 /* One row, keys j0 .. j0 + FA_ROW_KEYS − 1: st[j] = q · K_j. */
 static inline __attribute__((always_inline)) void FN(dot_scores_row)(
@@ -99,7 +101,7 @@ static inline __attribute__((always_inline)) void FN(dot_scores_n)(
  * nor a tail is tested per key; else `whole_vecs` of them are whole and the
  * one after has `tail` lanes. */
 static inline __attribute__((always_inline)) void FN(values_group)(
-    const int R, const int G, const int whole, VT acc[][8], const T *st, const KV *v, int64_t v_rs, const KV *pf,
+    const int R, const int G, const int whole, VT acc[][FA_ROW_GROUP], const T *st, const KV *v, int64_t v_rs, const KV *pf,
     int64_t pf_bytes, int64_t nb, int g, int64_t whole_vecs, int64_t tail) {
     for (int64_t j = 0; j < nb; j++) {
         const KV *vj = v + j * v_rs;
@@ -120,13 +122,13 @@ static inline __attribute__((always_inline)) void FN(dot_values_n)(
     const T *alpha, int first) {
     const int64_t full = Ev / W, tail = Ev % W;
     /* G vectors of the head dim at a time, G·R accumulators in registers.
-     * One row reads V rows whole and in order (G = 8); more rows keep G = 1,
+     * One row reads V rows whole and in order (G = FA_ROW_GROUP); more rows keep G = 1,
      * which measured faster for them (docs/tuning.md). Each sum still runs
      * over j in order: the same bits for any G. */
-    const int G = R == 1 ? 8 : 1;
+    const int G = R == 1 ? FA_ROW_GROUP : 1;
     for (int64_t u0 = 0; u0 < nEv; u0 += G) {
         const int g = nEv - u0 < G ? (int)(nEv - u0) : G;
-        VT acc[FA_FEW][8];
+        VT acc[FA_FEW][FA_ROW_GROUP];
         for (int r = 0; r < R; r++)
             for (int i = 0; i < G; i++) acc[r][i] = (VT){0};
         const int64_t line = 64 / (int64_t)sizeof(KV), e0 = (u0 * W + line - 1) / line * line;

@@ -21,13 +21,9 @@ from _helpers import REPO, c_manifest
 SRC = REPO / "src_c"
 MANIFEST = c_manifest()
 SUMMARY = re.compile(r"C API: (\d+) passed, (\d+) failed")
-
-
-def _cc():
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler (cc or gcc) on PATH")
-    return cc
+# The compiler the session's library was built with (conftest's c_library: the
+# manifest's lib command takes $CC, else cc).
+CC = os.environ.get("CC", "cc")
 
 
 def _run(cmd, **kw):
@@ -45,19 +41,17 @@ def _build_capi(out, cc, cflags=""):
     return out / "test_capi"
 
 
-def _link(c_library, program, exe, cc="cc"):
+def _link(c_library, program, exe):
     """program linked against the session's library (conftest's c_library),
-    by the manifest's own link command for cc's target."""
-    target = subprocess.run([cc, "-dumpmachine"], capture_output=True, text=True, check=True).stdout.strip()
-    _run(MANIFEST.link_command(cc, [str(program)], [str(c_library / MANIFEST.LIB)], str(exe), target,
-                               accepts=MANIFEST.compiler_accepts(cc)))
+    by the manifest's own link command for the compiler's target."""
+    _run(MANIFEST.link_command(CC, [str(program)], [str(c_library / MANIFEST.LIB)], str(exe),
+                               MANIFEST._ask(CC, "-dumpmachine"), accepts=MANIFEST.compiler_accepts(CC)))
     return exe
 
 
 @pytest.fixture(scope="module")
 def capi_binary(c_library, tmp_path_factory):
-    return _link(c_library, REPO / "tests" / "c" / "test_capi.c", tmp_path_factory.mktemp("capi") / "test_capi",
-                 os.environ.get("CC", "cc"))
+    return _link(c_library, REPO / "tests" / "c" / "test_capi.c", tmp_path_factory.mktemp("capi") / "test_capi")
 
 
 def _check_summary(result):
@@ -84,7 +78,6 @@ def test_capi_program_passes_with_scalar_isa(capi_binary):
 
 def test_header_is_self_contained(tmp_path, c_library):
     """fastattn.h alone, strict C99: it includes what it needs itself."""
-    cc = os.environ.get("CC", "cc")
     src = tmp_path / "uses_header.c"
     src.write_text(
         '#include "fastattn.h"\n'
@@ -95,10 +88,10 @@ def test_header_is_self_contained(tmp_path, c_library):
         "    return 0;\n"
         "}\n")
     # The header check proper: this file alone, compiled with -c under -Werror.
-    _run([cc, "-std=c99", "-pedantic", "-Wall", "-Werror", f"-I{SRC}", "-c", str(src),
+    _run([CC, "-std=c99", "-pedantic", "-Wall", "-Werror", f"-I{SRC}", "-c", str(src),
           "-o", str(tmp_path / "uses_header.o")])
     # Then link and run it, to see the two calls answer.
-    r = _run([str(_link(c_library, src, tmp_path / "uses_header", cc))])
+    r = _run([str(_link(c_library, src, tmp_path / "uses_header"))])
     isa = re.search(r"^isa=(\S+)$", r.stdout, re.M)
     assert isa and isa.group(1) in ("amx", "avx512bf16", "avx512", "avx2", "sse2", "neon", "scalar"), r.stdout
     heads = re.search(r"^heads=(.+)$", r.stdout, re.M)
