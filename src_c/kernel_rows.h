@@ -207,7 +207,17 @@ static void FN(rows_softmax)(T *st, int64_t rows, int64_t nb, T *m, T *l, T *alp
         for (int64_t u = 0; u < nbv; u++) mx = FN(v_max)(mx, FN(v_loadu)(s + u * W));
         const T m_new = FN(v_hmax)(mx), m_sub = m_new == -(T)INFINITY ? 0 : m_new;
         VT sum = {0};
-        for (int64_t u = 0; u < nbv; u++) {
+        int64_t u = 0;
+        for (; u + FA_EXP2_N <= nbv; u += FA_EXP2_N) { /* as in softmax_block */
+            VT pv[FA_EXP2_N];
+            FA_EACH(FA_EXP2_N) pv[i] = (FN(v_loadu)(s + (u + i) * W) - m_sub) * log2e;
+            FN(v_exp2_n)(FA_EXP2_N, pv);
+            FA_EACH(FA_EXP2_N) {
+                memcpy(s + (u + i) * W, &pv[i], sizeof pv[i]);
+                sum += pv[i];
+            }
+        }
+        for (; u < nbv; u++) {
             VT pv = FN(v_exp2)((FN(v_loadu)(s + u * W) - m_sub) * log2e);
             memcpy(s + u * W, &pv, sizeof pv);
             sum += pv;
