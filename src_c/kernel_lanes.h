@@ -46,7 +46,9 @@ static size_t FN(lanes_scratch_bytes)(int64_t E, int64_t Ev) {
 /* The register tile, the only place the FLOPs happen:
  *     c[r][·] = c[r][·]·c_scale[·] + Σ_k a[r·a_rs + k·a_ks] · b[k][·]
  * for MRC rows r and the first NVC vectors of lanes (c_scale NULL: c = Σ);
- * rows of b and c are FA_NV vectors apart. Each a scalar is broadcast once
+ * rows of b and c are FA_NV vectors apart. pf (or NULL; items of one
+ * vector only): pf_lines cache lines from pf on, the next key block's, to
+ * ask for along the way (internal.h). Each a scalar is broadcast once
  * and meets NVC vectors of b: up to FA_MR·FA_NV accumulators stay in
  * registers. MRC and NVC are constants wherever this is inlined.
  * The sum starts from 0 and meets c once at the end: O over S keys is then a
@@ -55,8 +57,10 @@ static size_t FN(lanes_scratch_bytes)(int64_t E, int64_t Ev) {
  * independent of S. */
 static inline __attribute__((always_inline)) void TILE(
     const int MRC, const int NVC, VT *restrict c, const T *restrict a, const int64_t a_rs,
-    const int64_t a_ks, const VT *restrict b, const int64_t K, const VT *restrict c_scale) {
+    const int64_t a_ks, const VT *restrict b, const int64_t K, const VT *restrict c_scale, const char *pf,
+    const int64_t pf_lines) {
     VT acc[2 * FA_MR][FA_NV]; /* MRC ≤ 2·FA_MR rows when NVC ≤ FA_NV / 2 (see FA_TALL) */
+    int64_t pf_due = 0; /* pf_lines lines from pf asked for evenly over the K steps */
 #pragma GCC unroll 16
     for (int r = 0; r < MRC; r++)
 #pragma GCC unroll 8
@@ -64,6 +68,8 @@ static inline __attribute__((always_inline)) void TILE(
             acc[r][u] = (VT){0};
     for (int64_t k = 0; k < K; k++) {
         const VT *b_k = b + k * FA_NV;
+        if (NVC == 1 && pf)
+            for (pf_due += pf_lines; pf_due >= K; pf_due -= K, pf += 64) __builtin_prefetch(pf, 0, 2);
 #pragma GCC unroll 16
         for (int r = 0; r < MRC; r++) {
             const VT a_rk = FN(v_splat)(a[r * a_rs + k * a_ks]);
@@ -102,62 +108,85 @@ static inline __attribute__((always_inline)) void TILE(
 #error "FA_MR must be 4, 6, 8 or 12"
 #endif
 
-/* Rows [j, j + n) of the next block's K and V (FA_BK rows on), asked for
- * now, into L2: a block ahead of two streams is more than L1 holds, and into
- * L1 it evicted the block in use (docs/tuning.md). Prefetching never faults,
- * so rows past the end cost nothing. */
-static inline __attribute__((always_inline)) void FN(prefetch_next)(
-    const T *k, int64_t k_rs, int64_t E, const T *v, int64_t v_rs, int64_t Ev, int64_t j, int64_t n) {
-    for (int64_t i = j + FA_BK; i < j + FA_BK + n; i++) {
-        fa_prefetch_l2(k + i * k_rs, E * (int64_t)sizeof(T));
-        fa_prefetch_l2(v + i * v_rs, Ev * (int64_t)sizeof(T));
-    }
-}
-
 /* Rows of a P·V tile for NVC vectors of lanes: with half the vectors or
  * fewer (short items: decoding with grouped heads, L < BQ), twice the rows,
  * so the tile keeps as many independent accumulators in flight. The score
- * tile stays FA_MR keys tall: taller, it asks for the next block's K and V in
- * bursts (measurements: docs/tuning.md). */
+ * tile stays FA_MR keys tall (measurements: docs/tuning.md). */
 #define FA_TALL(NVC) (2 * (NVC) <= FA_NV ? 2 * FA_MR : FA_MR)
 
-/* Sᵀ[j][·] = Σ_e K[j][e] · Qᵀ[e][·] for the nb keys of a block.
- * An item of one vector of rows (a few grouped heads decoding, short L) does
- * so little work per K/V byte that it streams K and V from memory; it asks
- * for the next block's rows a tile at a time, spread over this block's work
- * (all at once was slower: docs/tuning.md). Taller items reuse each block
- * from cache and skip this. */
-static inline __attribute__((always_inline)) void FN(scores_tile_n)(
-    const int NVC, VT *st, const T *k, int64_t k_rs, const VT *qt, int64_t E, int64_t nb,
-    const T *v, int64_t v_rs, int64_t Ev, int prefetch) {
-    int64_t j = 0;
-    for (; j + FA_MR <= nb; j += FA_MR) {
-        if (NVC == 1 && prefetch) FN(prefetch_next)(k, k_rs, E, v, v_rs, Ev, j, FA_MR);
-        TILE(FA_MR, NVC, st + j * FA_NV, k + j * k_rs, k_rs, 1, qt, E, 0);
-    }
-    if (NVC == 1 && prefetch) FN(prefetch_next)(k, k_rs, E, v, v_rs, Ev, j, nb - j);
-    switch (nb - j) { /* the last rows in one narrower tile, each width compiled on its own */
-#define FA_TAIL(n) case n: TILE(n, NVC, st + j * FA_NV, k + j * k_rs, k_rs, 1, qt, E, 0); break;
-        FA_TAILS
-#undef FA_TAIL
+/* What an item of one vector of rows asks for while it computes a block
+ * (see lanes_blocks): the next block's K and V rows, into L2. Rows back to
+ * back (a flat range of bytes): every tile asks for its share a cache line
+ * at a time, spread over its loop, because a burst beyond the core's few
+ * miss buffers is mostly dropped: on Zen 2, asking for a block's rows a
+ * tile's worth at once left multi-query decoding at 30 % of the memory
+ * bandwidth, spread it reads twice as fast (docs/tuning.md). Rows apart in
+ * memory: row by row before each score tile, as before. */
+typedef struct FN(next_block) {
+    const char *k, *v;     /* its first K and V row; NULL: nothing to ask for */
+    int64_t k_row, v_row;  /* bytes of a K and a V row */
+    int64_t k_rs, v_rs;    /* bytes from one row to the next */
+    int flat;              /* k_rs == k_row and v_rs == v_row */
+} FN(next_block);
+
+/* Rows [j, j + n) of the next block, all at once (rows apart in memory). */
+static inline void FN(ask_rows)(const FN(next_block) *nx, int64_t j, int64_t n) {
+    for (int64_t i = j; i < j + n; i++) {
+        fa_prefetch_l2(nx->k + i * nx->k_rs, nx->k_row);
+        fa_prefetch_l2(nx->v + i * nx->v_rs, nx->v_row);
     }
 }
 
-/* Oᵀ[e][·] = Oᵀ[e][·]·alpha[·] + Σ_j V[j][e] · Pᵀ[j][·] for the nb keys of a block. */
-static inline __attribute__((always_inline)) void FN(values_tile_n)(
-    const int NVC, VT *ot, const T *v, int64_t v_rs, const VT *pt, int64_t Ev, int64_t nb, const VT *alpha) {
-    const int MRT = FA_TALL(NVC);
-    int64_t e = 0;
-    for (; e + MRT <= Ev; e += MRT) TILE(MRT, NVC, ot + e * FA_NV, v + e, 1, v_rs, pt, nb, alpha);
-    if (MRT > FA_MR && e + FA_MR <= Ev) {
-        TILE(FA_MR, NVC, ot + e * FA_NV, v + e, 1, v_rs, pt, nb, alpha);
-        e += FA_MR;
+/* Sᵀ[j][·] = Σ_e K[j][e] · Qᵀ[e][·] for the nb keys of a block; each score
+ * tile asks for the next block's K rows of its own keys. */
+static inline __attribute__((always_inline)) void FN(scores_tile_n)(
+    const int NVC, VT *st, const T *k, int64_t k_rs, const VT *qt, int64_t E, int64_t nb,
+    const FN(next_block) *nx) {
+    const int flat = NVC == 1 && nx->k && nx->flat, rows = NVC == 1 && nx->k && !nx->flat;
+#define FA_ASK(j, n) flat ? nx->k + (j) * nx->k_row : NULL, ((n) * nx->k_row + 63) / 64
+    int64_t j = 0;
+    for (; j + FA_MR <= nb; j += FA_MR) {
+        if (rows) FN(ask_rows)(nx, j, FA_MR);
+        TILE(FA_MR, NVC, st + j * FA_NV, k + j * k_rs, k_rs, 1, qt, E, 0, FA_ASK(j, FA_MR));
     }
-    switch (Ev - e) {
-#define FA_TAIL(n) case n: TILE(n, NVC, ot + e * FA_NV, v + e, 1, v_rs, pt, nb, alpha); break;
+    if (rows) FN(ask_rows)(nx, j, nb - j);
+    switch (nb - j) { /* the last rows in one narrower tile, each width compiled on its own */
+#define FA_TAIL(n) case n: TILE(n, NVC, st + j * FA_NV, k + j * k_rs, k_rs, 1, qt, E, 0, FA_ASK(j, n)); break;
         FA_TAILS
 #undef FA_TAIL
     }
+#undef FA_ASK
+}
+
+/* Oᵀ[e][·] = Oᵀ[e][·]·alpha[·] + Σ_j V[j][e] · Pᵀ[j][·] for the nb keys of a
+ * block; the next block's V rows (a flat range) are shared out over the
+ * tiles, each asking for `per` lines. */
+static inline __attribute__((always_inline)) void FN(values_tile_n)(
+    const int NVC, VT *ot, const T *v, int64_t v_rs, const VT *pt, int64_t Ev, int64_t nb, const VT *alpha,
+    const FN(next_block) *nx, int64_t nx_rows) {
+    const int MRT = FA_TALL(NVC);
+    const int64_t tall = Ev / MRT, rest = Ev % MRT, one_more = MRT > FA_MR && rest >= FA_MR;
+    const int64_t tiles = tall + one_more + (rest - one_more * FA_MR > 0);
+    const int flat = NVC == 1 && nx->v && nx->flat;
+    const int64_t lines = flat ? (nx_rows * nx->v_row + 63) / 64 : 0, per = (lines + tiles - 1) / tiles;
+    const char *pf = flat ? nx->v : NULL;
+    int64_t left = lines;
+#define FA_SHARE pf, left < per ? left : per /* this tile's lines, then the next tile's: */
+#define FA_NEXT (pf = pf ? pf + per * 64 : NULL, left = left > per ? left - per : 0)
+    int64_t e = 0;
+    for (; e + MRT <= Ev; e += MRT, FA_NEXT) TILE(MRT, NVC, ot + e * FA_NV, v + e, 1, v_rs, pt, nb, alpha, FA_SHARE);
+    if (one_more) {
+        TILE(FA_MR, NVC, ot + e * FA_NV, v + e, 1, v_rs, pt, nb, alpha, FA_SHARE);
+        FA_NEXT;
+        e += FA_MR;
+    }
+    switch (Ev - e) {
+#define FA_TAIL(n) case n: TILE(n, NVC, ot + e * FA_NV, v + e, 1, v_rs, pt, nb, alpha, FA_SHARE); break;
+        FA_TAILS
+#undef FA_TAIL
+    }
+#undef FA_SHARE
+#undef FA_NEXT
 }
 
 /* An item with few rows (short L, decoding) uses only the nvc vectors of
@@ -170,18 +199,16 @@ static inline __attribute__((always_inline)) void FN(values_tile_n)(
     default: call(FA_NV); break;                                  \
     }
 
-/* prefetch: k and v are the caller's K and V (not a converted block in
- * scratch), so the next block's rows are worth asking for. */
 static void FN(scores_tile)(int nvc, VT *st, const T *k, int64_t k_rs, const VT *qt, int64_t E, int64_t nb,
-                            const T *v, int64_t v_rs, int64_t Ev, int prefetch) {
-#define FA_CALL(n) FN(scores_tile_n)(n, st, k, k_rs, qt, E, nb, v, v_rs, Ev, prefetch)
+                            const FN(next_block) *nx) {
+#define FA_CALL(n) FN(scores_tile_n)(n, st, k, k_rs, qt, E, nb, nx)
     FA_BY_WIDTH(nvc, FA_CALL)
 #undef FA_CALL
 }
 
 static void FN(values_tile)(int nvc, VT *ot, const T *v, int64_t v_rs, const VT *pt, int64_t Ev, int64_t nb,
-                            const VT *alpha) {
-#define FA_CALL(n) FN(values_tile_n)(n, ot, v, v_rs, pt, Ev, nb, alpha)
+                            const VT *alpha, const FN(next_block) *nx, int64_t nx_rows) {
+#define FA_CALL(n) FN(values_tile_n)(n, ot, v, v_rs, pt, Ev, nb, alpha, nx, nx_rows)
     FA_BY_WIDTH(nvc, FA_CALL)
 #undef FA_CALL
 }
@@ -354,6 +381,15 @@ static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, const fa_rows 
     const KV *k = (const KV *)a->k + it->b * a->k_stride[0] + it->hk * a->k_stride[1];
     const KV *v = (const KV *)a->v + it->b * a->v_stride[0] + it->hk * a->v_stride[1];
     const int modify = a->softcap > 0 || a->alibi_slopes;
+    /* An item of one vector of rows (decoding, short L) does so little work
+     * per K/V byte that it streams K and V from memory: over each block's
+     * tiles it asks for the next block's rows (next_block). Taller items
+     * reuse each block from cache, and the hardware prefetcher keeps up with
+     * them: asking cost them 2-9 % on Sapphire Rapids (docs/tuning.md). */
+    const int stream = nvc == 1;
+    CN(next_block) nx = {NULL, NULL, E * (int64_t)sizeof(KV), Ev * (int64_t)sizeof(KV),
+                         a->k_stride[2] * (int64_t)sizeof(KV), a->v_stride[2] * (int64_t)sizeof(KV), 0};
+    nx.flat = nx.k_rs == nx.k_row && nx.v_rs == nx.v_row;
 #if FA_CONVERTS
     /* Each key block is converted into kt, vt (in L1), then read as T. */
     const int64_t k_rs = E, v_rs = Ev;
@@ -393,6 +429,9 @@ static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, const fa_rows 
 #else
         const T *k_blk = k + j0 * k_rs, *v_blk = v + j0 * v_rs;
 #endif
+        const int64_t n_next = stream ? (f->j_end - j0 - FA_BK < FA_BK ? f->j_end - j0 - FA_BK : FA_BK) : 0;
+        nx.k = n_next > 0 ? (const char *)(k + (j0 + FA_BK) * a->k_stride[2]) : NULL;
+        nx.v = n_next > 0 ? (const char *)(v + (j0 + FA_BK) * a->v_stride[2]) : NULL;
 #if defined(FA_AMX_TILES)
         if (amx) {
             FN(amx_scores)(amx, s.st, k + j0 * a->k_stride[2], a->k_stride[2], nb, E, nvc);
@@ -407,10 +446,15 @@ static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, const fa_rows 
 #endif
         {
 #if FA_CONVERTS
-            FN(kv_rows)(s.kt, E, k + j0 * a->k_stride[2], a->k_stride[2], nb, E, FA_ROW_SCALE(ks, j0), nvc == 1);
-            FN(kv_rows)(s.vt, Ev, v + j0 * a->v_stride[2], a->v_stride[2], nb, Ev, FA_ROW_SCALE(vs, j0), nvc == 1);
+            /* The conversion asks for the next block's rows too, a row at a
+             * time. Both together, on Zen 2, 1×8/1×1×32768×128 float16
+             * decoding from memory: 3.2 ms against 3.3 (the tiles only) and
+             * 3.9 (the conversion only); from cache 7 % slower than the
+             * conversion only, the tiles only 12 % (docs/tuning.md). */
+            FN(kv_rows)(s.kt, E, k + j0 * a->k_stride[2], a->k_stride[2], nb, E, FA_ROW_SCALE(ks, j0), stream);
+            FN(kv_rows)(s.vt, Ev, v + j0 * a->v_stride[2], a->v_stride[2], nb, Ev, FA_ROW_SCALE(vs, j0), stream);
 #endif
-            CN(scores_tile)(nvc, s.st, k_blk, k_rs, s.qt, E, nb, v_blk, v_rs, Ev, !FA_CONVERTS);
+            CN(scores_tile)(nvc, s.st, k_blk, k_rs, s.qt, E, nb, &nx);
         }
         if (modify) CN(lanes_modify)(a, s.st, nvc, j0, nb, neg_slope, diag);
         FN(mask_block)((T *)s.st, 1, BQ, a, f, lo, hi, m_row, rows, j0, nb);
@@ -422,7 +466,7 @@ static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, const fa_rows 
 #endif
         {
             CN(softmax_block)(nvc, s.st, nb, s.m, s.l, s.alpha);
-            CN(values_tile)(nvc, s.ot, v_blk, v_rs, s.st, Ev, nb, j0 == fresh ? 0 : s.alpha);
+            CN(values_tile)(nvc, s.ot, v_blk, v_rs, s.st, Ev, nb, j0 == fresh ? 0 : s.alpha, &nx, n_next);
         }
         if (j0 + FA_BK < f->j_end && j0 + FA_BK - fresh == FA_FOLD * FA_BK) {
             CN(lanes_fold)(nvc, Ev, s, !folds++);
