@@ -40,6 +40,9 @@ static size_t FN(rows_scratch_bytes)(int64_t E, int64_t Ev) {
  * score is still the same sum in the same order: the same bits. */
 _Static_assert(FA_BK % W == 0, "rows of st hold whole vectors of scores");
 #define FA_ROW_KEYS 4
+/* Vectors of K or V a 64-byte cache line holds (at least 1): the rows with
+ * several query rows ask for the next block a line at a time (docs/tuning.md). */
+#define FA_LINE_VECS (64 / (W * (int)sizeof(KV)) > 0 ? 64 / (W * (int)sizeof(KV)) : 1)
 /* Vectors of the head dim one row's P·V sums at a time (dot_values_n). */
 #define FA_ROW_GROUP 8
 
@@ -71,15 +74,16 @@ static inline __attribute__((always_inline)) void FN(dot_scores_n)(
             for (; jj + FA_ROW_KEYS <= nk; jj += FA_ROW_KEYS) FN(dot_scores_row)(st, qs, k, k_rs, E, j0 + jj);
         for (; jj < nk; jj++) {
             const KV *kj = k + (j0 + jj) * k_rs;
-            /* The next block's row: decoding streams K and V from memory once. */
-            fa_prefetch_l2(kj + FA_BK * k_rs, E * (int64_t)sizeof(KV));
             VT acc[FA_FEW];
             for (int r = 0; r < R; r++) acc[r] = (VT){0};
             for (int64_t u = 0; u < full; u++) {
+                /* The next block's row, a line at a time: decoding streams K and V from memory once. */
+                if (u % FA_LINE_VECS == 0) __builtin_prefetch(kj + FA_BK * k_rs + u * W, 0, 2);
                 const VT kv = FN(kv_load)(kj + u * W);
                 for (int r = 0; r < R; r++) acc[r] += qs[r * nE + u] * kv;
             }
             if (tail) {
+                if (full % FA_LINE_VECS == 0) __builtin_prefetch(kj + FA_BK * k_rs + full * W, 0, 2);
                 const VT kv = FN(kv_load_part)(kj + full * W, (int)tail);
                 for (int r = 0; r < R; r++) acc[r] += qs[r * nE + full] * kv;
             }
@@ -102,10 +106,10 @@ static inline __attribute__((always_inline)) void FN(dot_scores_n)(
  * one after has `tail` lanes. */
 static inline __attribute__((always_inline)) void FN(values_group)(
     const int R, const int G, const int whole, VT acc[][FA_ROW_GROUP], const T *st, const KV *v, int64_t v_rs, const KV *pf,
-    int64_t pf_bytes, int64_t nb, int g, int64_t whole_vecs, int64_t tail) {
+    int64_t pf_bytes, int pf_every, int pf_phase, int64_t nb, int g, int64_t whole_vecs, int64_t tail) {
     for (int64_t j = 0; j < nb; j++) {
         const KV *vj = v + j * v_rs;
-        fa_prefetch_l2(pf + j * v_rs, pf_bytes);
+        if (j % pf_every == pf_phase) fa_prefetch_l2(pf + j * v_rs, pf_bytes);
         for (int i = 0; i < G; i++) {
             if (!whole && i >= g) break;
             const VT vv = whole || i < whole_vecs ? FN(kv_load)(vj + i * W) : FN(kv_load_part)(vj + i * W, (int)tail);
@@ -131,14 +135,23 @@ static inline __attribute__((always_inline)) void FN(dot_values_n)(
         VT acc[FA_FEW][FA_ROW_GROUP];
         for (int r = 0; r < R; r++)
             for (int i = 0; i < G; i++) acc[r][i] = (VT){0};
-        const int64_t line = 64 / (int64_t)sizeof(KV), e0 = (u0 * W + line - 1) / line * line;
-        /* the next block's row, each cache line that starts in these G vectors once */
-        const int64_t pf_bytes = ((u0 + g) * W - e0) * (int64_t)sizeof(KV);
+        const int64_t line = 64 / (int64_t)sizeof(KV);
+        /* The next block's rows: each cache line that starts in these G
+         * vectors, every key; or one vector at a time (G = 1, several vectors
+         * a line, and all of this line's vectors are strips), the line this
+         * vector is in, every FA_LINE_VECS-th key: the line's strips take
+         * turns, so the lines are asked for evenly, not in bursts. */
+        const int split = G == 1 && FA_LINE_VECS > 1 && (u0 / FA_LINE_VECS + 1) * FA_LINE_VECS <= nEv;
+        const int64_t e0 = split ? u0 * W / line * line : (u0 * W + line - 1) / line * line;
+        const int64_t pf_bytes = split ? 64 : ((u0 + g) * W - e0) * (int64_t)sizeof(KV);
+        const int pf_every = split ? FA_LINE_VECS : 1, pf_phase = split ? (int)(u0 % FA_LINE_VECS) : 0;
         /* G whole vectors (the usual case) make the inner loop constant-length */
         if (g == G && u0 + G <= full)
-            FN(values_group)(R, G, 1, acc, st, v + u0 * W, v_rs, v + FA_BK * v_rs + e0, pf_bytes, nb, g, full - u0, tail);
+            FN(values_group)(R, G, 1, acc, st, v + u0 * W, v_rs, v + FA_BK * v_rs + e0, pf_bytes, pf_every, pf_phase,
+                             nb, g, full - u0, tail);
         else
-            FN(values_group)(R, G, 0, acc, st, v + u0 * W, v_rs, v + FA_BK * v_rs + e0, pf_bytes, nb, g, full - u0, tail);
+            FN(values_group)(R, G, 0, acc, st, v + u0 * W, v_rs, v + FA_BK * v_rs + e0, pf_bytes, pf_every, pf_phase,
+                             nb, g, full - u0, tail);
         for (int r = 0; r < R; r++)
             for (int i = 0; i < g; i++) {
                 VT *o = &os[r * nEv + u0 + i];
