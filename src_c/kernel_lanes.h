@@ -46,9 +46,9 @@ static size_t FN(lanes_scratch_bytes)(int64_t E, int64_t Ev) {
 /* The register tile, the only place the FLOPs happen:
  *     c[r][·] = c[r][·]·c_scale[·] + Σ_k a[r·a_rs + k·a_ks] · b[k][·]
  * for MRC rows r and the first NVC vectors of lanes (c_scale NULL: c = Σ);
- * rows of b and c are FA_NV vectors apart. pf (or NULL; items of one
- * vector only): pf_lines cache lines from pf on, the next key block's, to
- * ask for along the way (internal.h). Each a scalar is broadcast once
+ * rows of b and c are FA_NV vectors apart. pf (or NULL): pf_lines cache
+ * lines from pf on, the next key block's, to ask for along the way (see
+ * next_block). Each a scalar is broadcast once
  * and meets NVC vectors of b: up to FA_MR·FA_NV accumulators stay in
  * registers. MRC and NVC are constants wherever this is inlined.
  * The sum starts from 0 and meets c once at the end: O over S keys is then a
@@ -68,7 +68,7 @@ static inline __attribute__((always_inline)) void TILE(
             acc[r][u] = (VT){0};
     for (int64_t k = 0; k < K; k++) {
         const VT *b_k = b + k * FA_NV;
-        if (NVC == 1 && pf)
+        if (pf)
             for (pf_due += pf_lines; pf_due >= K; pf_due -= K, pf += 64) __builtin_prefetch(pf, 0, 2);
 #pragma GCC unroll 16
         for (int r = 0; r < MRC; r++) {
@@ -114,7 +114,7 @@ static inline __attribute__((always_inline)) void TILE(
  * tile stays FA_MR keys tall (measurements: docs/tuning.md). */
 #define FA_TALL(NVC) (2 * (NVC) <= FA_NV ? 2 * FA_MR : FA_MR)
 
-/* What an item of one vector of rows asks for while it computes a block
+/* What an item that streams K and V asks for while it computes a block
  * (see lanes_blocks): the next block's K and V rows, into L2. Rows back to
  * back (a flat range of bytes): every tile asks for its share a cache line
  * at a time, spread over its loop, because a burst beyond the core's few
@@ -142,7 +142,7 @@ static inline void FN(ask_rows)(const FN(next_block) *nx, int64_t j, int64_t n) 
 static inline __attribute__((always_inline)) void FN(scores_tile_n)(
     const int NVC, VT *st, const T *k, int64_t k_rs, const VT *qt, int64_t E, int64_t nb,
     const FN(next_block) *nx) {
-    const int flat = NVC == 1 && nx->k && nx->flat, rows = NVC == 1 && nx->k && !nx->flat;
+    const int flat = nx->k && nx->flat, rows = nx->k && !nx->flat;
 #define FA_ASK(j, n) flat ? nx->k + (j) * nx->k_row : NULL, ((n) * nx->k_row + 63) / 64
     int64_t j = 0;
     for (; j + FA_MR <= nb; j += FA_MR) {
@@ -167,7 +167,7 @@ static inline __attribute__((always_inline)) void FN(values_tile_n)(
     const int MRT = FA_TALL(NVC);
     const int64_t tall = Ev / MRT, rest = Ev % MRT, one_more = MRT > FA_MR && rest >= FA_MR;
     const int64_t tiles = tall + one_more + (rest - one_more * FA_MR > 0);
-    const int flat = NVC == 1 && nx->v && nx->flat;
+    const int flat = nx->v && nx->flat;
     const int64_t lines = flat ? (nx_rows * nx->v_row + 63) / 64 : 0, per = (lines + tiles - 1) / tiles;
     const char *pf = flat ? nx->v : NULL;
     int64_t left = lines;
@@ -381,12 +381,14 @@ static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, const fa_rows 
     const KV *k = (const KV *)a->k + it->b * a->k_stride[0] + it->hk * a->k_stride[1];
     const KV *v = (const KV *)a->v + it->b * a->v_stride[0] + it->hk * a->v_stride[1];
     const int modify = a->softcap > 0 || a->alibi_slopes;
-    /* An item of one vector of rows (decoding, short L) does so little work
-     * per K/V byte that it streams K and V from memory: over each block's
-     * tiles it asks for the next block's rows (next_block). Taller items
-     * reuse each block from cache, and the hardware prefetcher keeps up with
-     * them: asking cost them 2-9 % on Sapphire Rapids (docs/tuning.md). */
-    const int stream = nvc == 1;
+    /* An item that holds every query row of its key/value head (decoding:
+     * one row per head, or a grouped-query group) reads each K/V byte once,
+     * from memory, and so does an item of one vector of rows (short L): over
+     * each block's tiles it asks for the next block's rows (next_block).
+     * The items of a prefill share their head's K and V, which all but the
+     * first find in cache, where the hardware prefetcher keeps up: asking
+     * cost them 5-8 % on Zen 2 and 2-9 % on Sapphire Rapids (docs/tuning.md). */
+    const int stream = nvc == 1 || it->rows == p->group * a->L;
     CN(next_block) nx = {NULL, NULL, E * (int64_t)sizeof(KV), Ev * (int64_t)sizeof(KV),
                          a->k_stride[2] * (int64_t)sizeof(KV), a->v_stride[2] * (int64_t)sizeof(KV), 0};
     nx.flat = nx.k_rs == nx.k_row && nx.v_rs == nx.v_row;
