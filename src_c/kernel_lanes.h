@@ -108,10 +108,10 @@ static inline __attribute__((always_inline)) void TILE(
 #error "FA_MR must be 4, 6, 8 or 12"
 #endif
 
-/* Rows of a P·V tile for NVC vectors of lanes: with half the vectors or
- * fewer (short items: decoding with grouped heads, L < BQ), twice the rows,
- * so the tile keeps as many independent accumulators in flight. The score
- * tile stays FA_MR keys tall (measurements: docs/tuning.md). */
+/* Rows of a tile (keys of a score tile, value columns of a P·V tile) for
+ * NVC vectors of lanes: with half the vectors or fewer (short items:
+ * decoding with grouped heads, L < BQ), twice the rows, so the tile keeps as
+ * many independent accumulators in flight (measurements: docs/tuning.md). */
 #define FA_TALL(NVC) (2 * (NVC) <= FA_NV ? 2 * FA_MR : FA_MR)
 
 /* What an item that streams K and V asks for while it computes a block
@@ -137,17 +137,24 @@ static inline void FN(ask_rows)(const FN(next_block) *nx, int64_t j, int64_t n) 
     }
 }
 
-/* Sᵀ[j][·] = Σ_e K[j][e] · Qᵀ[e][·] for the nb keys of a block; each score
- * tile asks for the next block's K rows of its own keys. */
+/* Sᵀ[j][·] = Σ_e K[j][e] · Qᵀ[e][·] for the nb keys of a block, FA_TALL
+ * keys a tile; each score tile asks for the next block's K rows of its own
+ * keys. */
 static inline __attribute__((always_inline)) void FN(scores_tile_n)(
     const int NVC, VT *st, const T *k, int64_t k_rs, const VT *qt, int64_t E, int64_t nb,
     const FN(next_block) *nx) {
+    const int MRT = FA_TALL(NVC);
     const int flat = nx->k && nx->flat, rows = nx->k && !nx->flat;
 #define FA_ASK(j, n) flat ? nx->k + (j) * nx->k_row : NULL, ((n) * nx->k_row + 63) / 64
     int64_t j = 0;
-    for (; j + FA_MR <= nb; j += FA_MR) {
+    for (; j + MRT <= nb; j += MRT) {
+        if (rows) FN(ask_rows)(nx, j, MRT);
+        TILE(MRT, NVC, st + j * FA_NV, k + j * k_rs, k_rs, 1, qt, E, 0, FA_ASK(j, MRT));
+    }
+    if (MRT > FA_MR && j + FA_MR <= nb) {
         if (rows) FN(ask_rows)(nx, j, FA_MR);
         TILE(FA_MR, NVC, st + j * FA_NV, k + j * k_rs, k_rs, 1, qt, E, 0, FA_ASK(j, FA_MR));
+        j += FA_MR;
     }
     if (rows) FN(ask_rows)(nx, j, nb - j);
     switch (nb - j) { /* the last rows in one narrower tile, each width compiled on its own */
