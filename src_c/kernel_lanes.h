@@ -121,7 +121,7 @@ static inline __attribute__((always_inline)) void TILE(
  * miss buffers is mostly dropped: on Zen 2, asking for a block's rows a
  * tile's worth at once left multi-query decoding at 30 % of the memory
  * bandwidth, spread it reads twice as fast (docs/tuning.md). Rows apart in
- * memory: row by row before each score tile, as before. */
+ * memory: each score tile's K and V rows at once, before the tile. */
 typedef struct FN(next_block) {
     const char *k, *v;     /* its first K and V row; NULL: nothing to ask for */
     int64_t k_row, v_row;  /* bytes of a K and a V row */
