@@ -20,6 +20,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import threading
 
 SRC = "src_c"
 OUT = "build/c"
@@ -207,8 +208,15 @@ def build_lib(cc="cc", out=OUT, extra=(), target=None, program=None):
     accepts = compiler_accepts(cc)
     os.makedirs(out, exist_ok=True)
 
+    printing = threading.Lock()
+
     def run(cmd):
-        print(shlex.join(cmd), flush=True)
+        # One line a command, whole: print() writes the text and its newline
+        # separately, so two compiler threads could interleave them (the
+        # tests read these lines back).
+        with printing:
+            sys.stdout.write(shlex.join(cmd) + "\n")
+            sys.stdout.flush()
         subprocess.run(cmd, check=True)
 
     # One compiler per file, as many at once as there are processors: the
