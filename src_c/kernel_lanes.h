@@ -238,21 +238,7 @@ static void FN(softmax_block)(int nvc, VT *st, int64_t nb, VT *m, VT *l, VT *alp
         for (; j < nb; j++) m4[0] = FN(v_max)(m4[0], st[j * FA_NV + u]);
         VT m_new = FN(v_max)(FN(v_max)(m4[0], m4[1]), FN(v_max)(m4[2], m4[3]));
         VT m_sub = FN(v_select)((VU)(m_new == neg_inf), FN(v_splat)(0), m_new);
-        VT sum = {0};
-        for (j = 0; j + FA_EXP2_N <= nb; j += FA_EXP2_N) { /* FA_EXP2_N keys' 2^x side by side (vexp2.h) */
-            VT p[FA_EXP2_N];
-            FA_EACH(FA_EXP2_N) p[i] = (st[(j + i) * FA_NV + u] - m_sub) * log2e;
-            FN(v_exp2_n)(FA_EXP2_N, p);
-            FA_EACH(FA_EXP2_N) {
-                st[(j + i) * FA_NV + u] = p[i];
-                sum += p[i]; /* in key order, as one at a time */
-            }
-        }
-        for (; j < nb; j++) {
-            VT p = FN(v_exp2)((st[j * FA_NV + u] - m_sub) * log2e);
-            st[j * FA_NV + u] = p;
-            sum += p;
-        }
+        const VT sum = FN(exp2_shifted)(st + u, FA_NV, nb, m_sub);
         alpha[u] = FN(v_exp2)((m[u] - m_sub) * log2e);
         l[u] = l[u] * alpha[u] + sum;
         m[u] = m_new;

@@ -40,7 +40,7 @@ static size_t FN(rows_scratch_bytes)(int64_t E, int64_t Ev) {
  * score is still the same sum in the same order: the same bits. */
 _Static_assert(FA_BK % W == 0, "rows of st hold whole vectors of scores");
 #define FA_ROW_KEYS 4
-/* Vectors of K or V a 64-byte cache line holds (at least 1): the rows with
+/* Vectors of K or V a 64-byte cache line holds (at least 1; a power of 2): the rows with
  * several query rows ask for the next block a line at a time (docs/tuning.md). */
 #define FA_LINE_VECS (64 / (W * (int)sizeof(KV)) > 0 ? 64 / (W * (int)sizeof(KV)) : 1)
 /* Vectors of the head dim one row's P·V sums at a time (dot_values_n). */
@@ -106,10 +106,10 @@ static inline __attribute__((always_inline)) void FN(dot_scores_n)(
  * one after has `tail` lanes. */
 static inline __attribute__((always_inline)) void FN(values_group)(
     const int R, const int G, const int whole, VT acc[][FA_ROW_GROUP], const T *st, const KV *v, int64_t v_rs, const KV *pf,
-    int64_t pf_bytes, int pf_every, int pf_phase, int64_t nb, int g, int64_t whole_vecs, int64_t tail) {
+    int64_t pf_bytes, int pf_mask, int pf_phase, int64_t nb, int g, int64_t whole_vecs, int64_t tail) {
     for (int64_t j = 0; j < nb; j++) {
         const KV *vj = v + j * v_rs;
-        if (j % pf_every == pf_phase) fa_prefetch_l2(pf + j * v_rs, pf_bytes);
+        if ((j & pf_mask) == pf_phase) fa_prefetch_l2(pf + j * v_rs, pf_bytes);
         for (int i = 0; i < G; i++) {
             if (!whole && i >= g) break;
             const VT vv = whole || i < whole_vecs ? FN(kv_load)(vj + i * W) : FN(kv_load_part)(vj + i * W, (int)tail);
@@ -144,13 +144,13 @@ static inline __attribute__((always_inline)) void FN(dot_values_n)(
         const int split = G == 1 && FA_LINE_VECS > 1 && (u0 / FA_LINE_VECS + 1) * FA_LINE_VECS <= nEv;
         const int64_t e0 = split ? u0 * W / line * line : (u0 * W + line - 1) / line * line;
         const int64_t pf_bytes = split ? 64 : ((u0 + g) * W - e0) * (int64_t)sizeof(KV);
-        const int pf_every = split ? FA_LINE_VECS : 1, pf_phase = split ? (int)(u0 % FA_LINE_VECS) : 0;
+        const int pf_mask = split ? FA_LINE_VECS - 1 : 0, pf_phase = split ? (int)(u0 % FA_LINE_VECS) : 0;
         /* G whole vectors (the usual case) make the inner loop constant-length */
         if (g == G && u0 + G <= full)
-            FN(values_group)(R, G, 1, acc, st, v + u0 * W, v_rs, v + FA_BK * v_rs + e0, pf_bytes, pf_every, pf_phase,
+            FN(values_group)(R, G, 1, acc, st, v + u0 * W, v_rs, v + FA_BK * v_rs + e0, pf_bytes, pf_mask, pf_phase,
                              nb, g, full - u0, tail);
         else
-            FN(values_group)(R, G, 0, acc, st, v + u0 * W, v_rs, v + FA_BK * v_rs + e0, pf_bytes, pf_every, pf_phase,
+            FN(values_group)(R, G, 0, acc, st, v + u0 * W, v_rs, v + FA_BK * v_rs + e0, pf_bytes, pf_mask, pf_phase,
                              nb, g, full - u0, tail);
         for (int r = 0; r < R; r++)
             for (int i = 0; i < g; i++) {
@@ -219,22 +219,7 @@ static void FN(rows_softmax)(T *st, int64_t rows, int64_t nb, T *m, T *l, T *alp
         VT mx = FN(v_splat)(m[r]);
         for (int64_t u = 0; u < nbv; u++) mx = FN(v_max)(mx, FN(v_loadu)(s + u * W));
         const T m_new = FN(v_hmax)(mx), m_sub = m_new == -(T)INFINITY ? 0 : m_new;
-        VT sum = {0};
-        int64_t u = 0;
-        for (; u + FA_EXP2_N <= nbv; u += FA_EXP2_N) { /* as in softmax_block */
-            VT pv[FA_EXP2_N];
-            FA_EACH(FA_EXP2_N) pv[i] = (FN(v_loadu)(s + (u + i) * W) - m_sub) * log2e;
-            FN(v_exp2_n)(FA_EXP2_N, pv);
-            FA_EACH(FA_EXP2_N) {
-                memcpy(s + (u + i) * W, &pv[i], sizeof pv[i]);
-                sum += pv[i];
-            }
-        }
-        for (; u < nbv; u++) {
-            VT pv = FN(v_exp2)((FN(v_loadu)(s + u * W) - m_sub) * log2e);
-            memcpy(s + u * W, &pv, sizeof pv);
-            sum += pv;
-        }
+        const VT sum = FN(exp2_shifted)((VT *)s, 1, nbv, FN(v_splat)(m_sub)); /* whole vectors, aligned (rows_modify) */
         alpha[r] = FN(v_exp2)(FN(v_splat)((m[r] - m_sub) * log2e))[0];
         l[r] = l[r] * alpha[r] + FN(v_hsum)(sum);
         m[r] = m_new;

@@ -68,31 +68,30 @@ static inline __attribute__((always_inline)) void FN(v_exp2_n)(const int N, VT *
      * are those of the portable path below. MAXPS(lowest, x) keeps a NaN x
      * (it returns the second operand when one is NaN); below the range the
      * zeroing mask (x ≥ lowest, true for NaN: unordered) gives exactly 0. */
-#if FA_MANT == 23
-    __m512 n[FA_EXP2_N];
-    FA_EACH(N) {
-        const __m512 xc = _mm512_max_ps(_mm512_set1_ps(lowest), (__m512)x[i]);
-        n[i] = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        f[i] = (VT)_mm512_sub_ps(xc, n[i]);
-    }
-    FN(exp2_poly_tail_n)(N, p, f);
-    FA_EACH(N) {
-        const __mmask16 kept = _mm512_cmp_ps_mask((__m512)x[i], _mm512_set1_ps(lowest), _CMP_NLT_UQ);
-        x[i] = (VT)_mm512_maskz_scalef_ps(kept, (__m512)(p[i] * f[i] + 1), n[i]);
-    }
+#if FA_MANT == 23 /* one body for both: the intrinsics by suffix */
+#define FA_Z(op) _mm512_##op##_ps
+#define FA_ZCMP _mm512_cmp_ps_mask
+    typedef __m512 zv;
+    typedef __mmask16 zmask;
 #else
-    __m512d n[FA_EXP2_N];
+#define FA_Z(op) _mm512_##op##_pd
+#define FA_ZCMP _mm512_cmp_pd_mask
+    typedef __m512d zv;
+    typedef __mmask8 zmask;
+#endif
+    zv n[FA_EXP2_N];
     FA_EACH(N) {
-        const __m512d xc = _mm512_max_pd(_mm512_set1_pd(lowest), (__m512d)x[i]);
-        n[i] = _mm512_roundscale_pd(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        f[i] = (VT)_mm512_sub_pd(xc, n[i]);
+        const zv xc = FA_Z(max)(FA_Z(set1)(lowest), (zv)x[i]);
+        n[i] = FA_Z(roundscale)(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        f[i] = (VT)FA_Z(sub)(xc, n[i]);
     }
     FN(exp2_poly_tail_n)(N, p, f);
     FA_EACH(N) {
-        const __mmask8 kept = _mm512_cmp_pd_mask((__m512d)x[i], _mm512_set1_pd(lowest), _CMP_NLT_UQ);
-        x[i] = (VT)_mm512_maskz_scalef_pd(kept, (__m512d)(p[i] * f[i] + 1), n[i]);
+        const zmask kept = FA_ZCMP((zv)x[i], FA_Z(set1)(lowest), _CMP_NLT_UQ);
+        x[i] = (VT)FA_Z(maskz_scalef)(kept, (zv)(p[i] * f[i] + 1), n[i]);
     }
-#endif
+#undef FA_Z
+#undef FA_ZCMP
 #elif FA_VBYTES == 32 && FA_MANT == 23 && defined(__AVX2__)
     /* AVX2, float: MAXPS(lowest, x) clamps and keeps a NaN x (it returns the
      * second operand when one is NaN), VROUNDPS rounds to nearest even as the
@@ -138,6 +137,32 @@ static inline __attribute__((always_inline)) void FN(v_exp2_n)(const int N, VT *
 static inline VT FN(v_exp2)(VT x) {
     FN(v_exp2_n)(1, &x);
     return x;
+}
+
+/* The softmax's exponentials, in place, for n vectors `stride` vectors
+ * apart, and their sum:
+ *     x_j := 2^((x_j − m_sub)·log2 e),   returns Σ_j x_j
+ * FA_EXP2_N vectors side by side (see FA_EACH), the rest one at a time; the
+ * sum is added in j order, so the bits are those of one at a time. Both
+ * layouts' softmax (stride: a lane-layout row of Sᵀ, or 1). */
+static inline __attribute__((always_inline)) VT FN(exp2_shifted)(VT *x, int64_t stride, int64_t n, VT m_sub) {
+    const T log2e = (T)1.4426950408889634074;
+    VT sum = {0};
+    int64_t j = 0;
+    for (; j + FA_EXP2_N <= n; j += FA_EXP2_N) {
+        VT p[FA_EXP2_N];
+        FA_EACH(FA_EXP2_N) p[i] = (x[(j + i) * stride] - m_sub) * log2e;
+        FN(v_exp2_n)(FA_EXP2_N, p);
+        FA_EACH(FA_EXP2_N) {
+            x[(j + i) * stride] = p[i];
+            sum += p[i];
+        }
+    }
+    for (; j < n; j++) {
+        x[j * stride] = FN(v_exp2)((x[j * stride] - m_sub) * log2e);
+        sum += x[j * stride];
+    }
+    return sum;
 }
 
 /* 2^x − 1 and 2^x for x ≤ 0 (the softcap's tanh), from one range reduction,
