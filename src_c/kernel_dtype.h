@@ -65,6 +65,13 @@ static inline VT FN(kv_load)(const KV *p) {
     float16x4_t h;
     memcpy(&h, p, sizeof h);
     return (VT)vcvt_f32_f16(h);
+/* bfloat16: zero-extend from memory, then shift into the high half. GCC 12
+ * spells the generic widening below as two 128-bit halves and an insert
+ * (six instructions for a ymm where these are two; docs/tuning.md). */
+#elif defined(FA_KV_BF16) && FA_VBYTES == 64 && defined(__AVX512F__)
+    return (VT)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+#elif defined(FA_KV_BF16) && FA_VBYTES == 32 && defined(__AVX2__)
+    return (VT)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
 /* int8: sign-extend to 32 bits, then convert (GCC 12 scalarises a direct
  * __builtin_convertvector from int8 lanes, so each ISA spells it out). */
 #elif defined(FA_KV_I8) && FA_VBYTES == 64 && defined(__AVX512F__)
