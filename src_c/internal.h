@@ -66,8 +66,9 @@ typedef struct fa_plan {
  * An item takes rows [t0, t0 + rows) against keys [j_from, j_to). */
 typedef struct fa_item {
     int64_t b, hk, t0, rows, j_from, j_to;
-    void *partial;   /* NULL: write out and lse. Else a split-KV part: each row's
-                        normalised output (Ev values), then its lse (rows values) */
+    void *partial;   /* NULL: write out and lse. Else a split-KV part: row by row,
+                        the normalised output (Ev values), then the row's lse; so
+                        rows r0… of an item are a part of their own from r0·(Ev + 1) */
 } fa_item;
 
 /* The item's per-channel key factors (FA_I8's k_channel), or NULL. */
@@ -217,13 +218,13 @@ static inline fa_rows fa_item_rows(const fa_plan *p, const fa_item *it, int64_t 
 }
 
 /* Where row r's output and lse go: the caller's arrays, or the item's
- * split-KV part (rows · Ev outputs, then rows lse values). */
+ * split-KV part (row r's Ev outputs at r·(Ev + 1), its lse after them). */
 static inline int64_t fa_out_offset(const fa_plan *p, const fa_item *it, int64_t r, int64_t *lse_off) {
     const fa_args *a = p->a;
     int64_t h, i;
     if (it->partial) {
-        *lse_off = it->rows * a->Ev + r;
-        return r * a->Ev;
+        *lse_off = r * (a->Ev + 1) + a->Ev;
+        return r * (a->Ev + 1);
     }
     fa_row_at(p, it, r, &h, &i);
     *lse_off = it->b * a->lse_stride[0] + h * a->lse_stride[1] + i * a->lse_stride[2];

@@ -360,7 +360,7 @@ static void FN(softcap_array)(const void *xp, void *yp, int64_t n, double c) {
 }
 
 static const fa_kernel FN(kernel) = {
-    FA_NV * W,  /* lane_rows */
+    FA_SUBS * FA_NV * W,  /* lane_rows: FA_SUBS blocks of FA_NV vectors of rows (kernel_lanes.h) */
     W / 2,      /* rows_auto: half a vector or less (measured per ISA: docs/tuning.md) */
     FA_BK,
     FN(scratch_bytes),
@@ -388,3 +388,4 @@ static const fa_kernel FN(kernel) = {
 #undef CN
 #undef FA_AMX_TILES
 #undef FA_DPBF16_SCORES
+#undef FA_SUBS

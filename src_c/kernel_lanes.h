@@ -28,14 +28,35 @@
 #define FA_FOLD 8
 #endif
 
-/* Scratch of one thread: qt (E × BQ), st (FA_BK × BQ), ot, the total tot
+/* Sub-blocks. Converting storage (16-bit, int8) converts each key block of
+ * K and V into scratch before the float tiles read it, once per item; so an
+ * item of many rows (prefill) holds up to FA_SUBS blocks of BQ rows, which
+ * take each converted key block in turn: one conversion serves FA_SUBS·BQ
+ * rows. Each sub-block computes exactly what an item of its rows alone
+ * would (the same key blocks, folds and bits); only the conversion is
+ * shared. On Zen 2 (AVX2, 16 rows a block) converting once per 16 rows cost
+ * a float16 prefill 15 % of float32's time, a bfloat16 one 20 %
+ * (docs/tuning.md). The AMX and VDPBF16PS sets read K in place: one there. */
+#if FA_CONVERTS && !defined(FA_AMX_TILES) && !defined(FA_DPBF16_SCORES)
+#define FA_SUBS 4
+#else
+#define FA_SUBS 1
+#endif
+
+/* Scratch of one sub-block: qt (E × BQ), st (FA_BK × BQ), ot, the total tot
  * and its compensation tc (Ev × BQ each), m, l, alpha, and the totals' lt,
- * lc, mt; converting storage adds a block of K (FA_BK × E) and V (FA_BK × Ev). */
-static size_t FN(lanes_scratch_bytes)(int64_t E, int64_t Ev) {
+ * lc, mt. */
+static size_t FN(lanes_sub_bytes)(int64_t E, int64_t Ev) {
     size_t lane_row = (size_t)BQ * sizeof(T);
-    size_t kv = FA_CONVERTS ? FN(round_up)((size_t)FA_BK * E * sizeof(T)) + FN(round_up)((size_t)FA_BK * Ev * sizeof(T)) : 0;
     return FN(round_up)((size_t)E * lane_row) + FN(round_up)((size_t)FA_BK * lane_row) +
-           3 * FN(round_up)((size_t)Ev * lane_row) + 6 * FN(round_up)(lane_row) + kv;
+           3 * FN(round_up)((size_t)Ev * lane_row) + 6 * FN(round_up)(lane_row);
+}
+
+/* Scratch of one thread: for converting storage a block of K (FA_BK × E)
+ * and V (FA_BK × Ev), which the sub-blocks share; then FA_SUBS sub-blocks'. */
+static size_t FN(lanes_scratch_bytes)(int64_t E, int64_t Ev) {
+    size_t kv = FA_CONVERTS ? FN(round_up)((size_t)FA_BK * E * sizeof(T)) + FN(round_up)((size_t)FA_BK * Ev * sizeof(T)) : 0;
+    return FA_SUBS * FN(lanes_sub_bytes)(E, Ev) + kv;
 }
 
 /* From here to softmax_block, and lanes_pack_q, lanes_modify, lanes_store:
@@ -251,8 +272,9 @@ static void FN(softmax_block)(int nvc, VT *st, int64_t nb, VT *m, VT *l, VT *alp
 #include "kernel_dpbf16.h"
 #endif
 
-/* One thread's lane-layout scratch, carved from the buffer the driver gives;
- * kt, vt: a key block of K and V converted to T (16-bit and int8 storage). */
+/* Sub-block g's lane-layout scratch, carved from the buffer the driver
+ * gives; kt, vt: a key block of K and V converted to T (16-bit and int8
+ * storage), first, and the same for all sub-blocks. */
 #if !FA_CONVERTS
 typedef struct FN(lanes_bufs) {
     VT *qt, *st, *ot, *m, *l, *alpha;
@@ -261,9 +283,12 @@ typedef struct FN(lanes_bufs) {
 } FN(lanes_bufs);
 #endif
 
-static CN(lanes_bufs) FN(lanes_carve)(void *scratch, int64_t E, int64_t Ev) {
+static CN(lanes_bufs) FN(lanes_carve)(void *scratch, int64_t E, int64_t Ev, int g) {
     CN(lanes_bufs) s;
     char *p = (char *)scratch;
+    s.kt = (T *)p;      p += FA_CONVERTS ? FN(round_up)((size_t)FA_BK * E * sizeof(T)) : 0;
+    s.vt = (T *)p;      p += FA_CONVERTS ? FN(round_up)((size_t)FA_BK * Ev * sizeof(T)) : 0;
+    p += (size_t)g * FN(lanes_sub_bytes)(E, Ev);
     const size_t lane_row = (size_t)BQ * sizeof(T);
     s.qt = (VT *)p;     p += FN(round_up)((size_t)E * lane_row);
     s.st = (VT *)p;     p += FN(round_up)((size_t)FA_BK * lane_row);
@@ -275,9 +300,7 @@ static CN(lanes_bufs) FN(lanes_carve)(void *scratch, int64_t E, int64_t Ev) {
     s.tc = (VT *)p;     p += FN(round_up)((size_t)Ev * lane_row);
     s.lt = (VT *)p;     p += FN(round_up)(lane_row);
     s.lc = (VT *)p;     p += FN(round_up)(lane_row);
-    s.mt = (VT *)p;     p += FN(round_up)(lane_row);
-    s.kt = (T *)p;      p += FA_CONVERTS ? FN(round_up)((size_t)FA_BK * E * sizeof(T)) : 0;
-    s.vt = (T *)p;
+    s.mt = (VT *)p;
     return s;
 }
 
@@ -360,17 +383,33 @@ static void FN(lanes_unfold)(int nvc, int64_t Ev, CN(lanes_bufs) s) {
 
 #endif /* !FA_CONVERTS: packing, modifiers, folds */
 
-/* The block loop: for each key block, scores, modifiers, masks, online softmax, P·V.
- * Leaves Oᵀ unnormalised in ot and each lane's (m, l). The first block
- * starts Oᵀ from 0 (its alpha is 0 anyway), so Oᵀ needs no clearing unless
- * no block is visited at all; so does the first block after a fold (l is
- * cleared there). Every FA_FOLD blocks, if more follow, the sums so far go
- * into the compensated totals; an item that folded folds the rest at the end. */
-static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, const fa_rows *f, const int64_t *lo,
-                             const int64_t *hi, const int64_t *m_row, const T *neg_slope, const int64_t *diag,
-                             int nvc, CN(lanes_bufs) s, const void *amx) {
+/* One sub-block of an item (see FA_SUBS): its rows as an item of their own,
+ * their key ranges and offsets (fa_item_rows), modifiers, buffers, and
+ * where its folds stand. */
+typedef struct FN(lanes_sub) {
+    fa_item it;
+    fa_rows f;
+    int64_t lo[BQ], hi[BQ], q_row[BQ], m_row[BQ], diag[BQ];
+    T neg_slope[BQ], sink[BQ];
+    int nvc, folds;
+    int64_t fresh; /* its first key block since its last fold */
+    CN(lanes_bufs) s;
+} FN(lanes_sub);
+
+/* The block loop of n sub-blocks whose first keys are a whole number of
+ * key blocks apart, so they share one grid of blocks: for each key block,
+ * the conversion (converting storage) once, then, for each sub-block that
+ * sees the block, scores, modifiers, masks, online softmax, P·V.
+ * Leaves each sub-block's Oᵀ unnormalised in ot and each lane's (m, l). The
+ * first block starts Oᵀ from 0 (its alpha is 0 anyway), so Oᵀ needs no
+ * clearing unless no block is visited at all; so does the first block after
+ * a fold (l is cleared there). Every FA_FOLD blocks of a sub-block, if more
+ * follow, its sums so far go into the compensated totals; a sub-block that
+ * folded folds the rest at the end. */
+static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, FN(lanes_sub) *const *subs, int n,
+                             const void *amx) {
     const fa_args *a = p->a;
-    const int64_t E = a->E, Ev = a->Ev, rows = it->rows;
+    const int64_t E = a->E, Ev = a->Ev;
     const KV *k = (const KV *)a->k + it->b * a->k_stride[0] + it->hk * a->k_stride[1];
     const KV *v = (const KV *)a->v + it->b * a->v_stride[0] + it->hk * a->v_stride[1];
     const int modify = a->softcap > 0 || a->alibi_slopes;
@@ -381,10 +420,11 @@ static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, const fa_rows 
      * The items of a prefill share their head's K and V, which all but the
      * first find in cache, where the hardware prefetcher keeps up: asking
      * cost them 5-8 % on Zen 2 and 2-9 % on Sapphire Rapids (docs/tuning.md). */
-    const int stream = nvc == 1 || it->rows == p->group * a->L;
+    const int stream = it->rows <= W || it->rows == p->group * a->L;
     CN(next_block) nx = {NULL, NULL, E * (int64_t)sizeof(KV), Ev * (int64_t)sizeof(KV),
                          a->k_stride[2] * (int64_t)sizeof(KV), a->v_stride[2] * (int64_t)sizeof(KV), 0};
     nx.flat = nx.k_rs == nx.k_row && nx.v_rs == nx.v_row;
+    const CN(next_block) none = {NULL, NULL, 0, 0, 0, 0, 0}; /* for the sub-blocks after the first */
 #if FA_CONVERTS
     /* Each key block is converted into kt, vt (in L1), then read as T. */
     const int64_t k_rs = E, v_rs = Ev;
@@ -408,71 +448,92 @@ static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, const fa_rows 
 #if defined(FA_DPBF16_SCORES)
     const int dp = FN(dp_usable)(p); /* lanes_item packed Qᵀ in pairs */
 #endif
-    for (int u = 0; u < FA_NV; u++) {
-        s.m[u] = FN(v_splat)(-(T)INFINITY);
-        s.l[u] = (VT){0};
+    int64_t j_begin = INT64_MAX, j_end = INT64_MIN; /* the sub-blocks' keys together */
+    for (int g = 0; g < n; g++) {
+        FN(lanes_sub) *u = subs[g];
+        for (int w = 0; w < FA_NV; w++) {
+            u->s.m[w] = FN(v_splat)(-(T)INFINITY);
+            u->s.l[w] = (VT){0};
+        }
+        u->fresh = u->f.j_begin;
+        u->folds = 0;
+        if (u->f.j_begin >= u->f.j_end) {
+            for (int64_t e = 0; e < Ev; e++)
+                for (int w = 0; w < u->nvc; w++) u->s.ot[e * FA_NV + w] = (VT){0};
+            continue;
+        }
+        if (u->f.j_begin < j_begin) j_begin = u->f.j_begin;
+        if (u->f.j_end > j_end) j_end = u->f.j_end;
     }
-    if (f->j_begin >= f->j_end)
-        for (int64_t e = 0; e < Ev; e++)
-            for (int u = 0; u < nvc; u++) s.ot[e * FA_NV + u] = (VT){0};
-    int64_t fresh = f->j_begin; /* the first block since the last fold */
-    int folds = 0;
-    for (int64_t j0 = f->j_begin; j0 < f->j_end; j0 += FA_BK) {
-        const int64_t nb = f->j_end - j0 < FA_BK ? f->j_end - j0 : FA_BK;
+    for (int64_t j0 = j_begin; j0 < j_end; j0 += FA_BK) {
 #if FA_CONVERTS
-        const T *k_blk = s.kt, *v_blk = s.vt; /* converted below, unless the tiles read K and V in place */
+        const int64_t nb_all = j_end - j0 < FA_BK ? j_end - j0 : FA_BK; /* converted: every sub-block's keys */
+        const T *k_blk = subs[0]->s.kt, *v_blk = subs[0]->s.vt; /* converted below, unless the tiles read K and V in place */
+        int converted = 0;
 #else
         const T *k_blk = k + j0 * k_rs, *v_blk = v + j0 * v_rs;
 #endif
-        const int64_t n_next = stream ? (f->j_end - j0 - FA_BK < FA_BK ? f->j_end - j0 - FA_BK : FA_BK) : 0;
+        const int64_t n_next = stream ? (j_end - j0 - FA_BK < FA_BK ? j_end - j0 - FA_BK : FA_BK) : 0;
         nx.k = n_next > 0 ? (const char *)(k + (j0 + FA_BK) * a->k_stride[2]) : NULL;
         nx.v = n_next > 0 ? (const char *)(v + (j0 + FA_BK) * a->v_stride[2]) : NULL;
+        int asked = 0; /* the first sub-block to take this block asks for the next one */
+        for (int g = 0; g < n; g++) {
+            FN(lanes_sub) *u = subs[g];
+            if (j0 < u->f.j_begin || j0 >= u->f.j_end) continue;
+            const int64_t nb = u->f.j_end - j0 < FA_BK ? u->f.j_end - j0 : FA_BK;
+            const CN(next_block) *ask = asked++ ? &none : &nx;
+            const CN(lanes_bufs) s = u->s;
+            const int nvc = u->nvc;
 #if defined(FA_AMX_TILES)
-        if (amx) {
-            FN(amx_scores)(amx, s.st, k + j0 * a->k_stride[2], a->k_stride[2], nb, E, nvc);
-            if (scaled) FN(amx_scale)(s.st, nb, nvc, (T)p->scale);
-        } else
+            if (amx) {
+                FN(amx_scores)(amx, s.st, k + j0 * a->k_stride[2], a->k_stride[2], nb, E, nvc);
+                if (scaled) FN(amx_scale)(s.st, nb, nvc, (T)p->scale);
+            } else
 #endif
 #if defined(FA_DPBF16_SCORES)
-        if (dp) { /* K's bfloat16 pairs read in place; V converted as below */
-            FN(dp_scores)(nvc, s.st, k + j0 * a->k_stride[2], a->k_stride[2], s.qt, E, nb, (T)p->scale);
-            FN(kv_rows)(s.vt, Ev, v + j0 * a->v_stride[2], a->v_stride[2], nb, Ev, NULL, 0, nvc == 1);
-        } else
+            if (dp) { /* K's bfloat16 pairs read in place; V converted as below (one sub-block here) */
+                FN(dp_scores)(nvc, s.st, k + j0 * a->k_stride[2], a->k_stride[2], s.qt, E, nb, (T)p->scale);
+                FN(kv_rows)(s.vt, Ev, v + j0 * a->v_stride[2], a->v_stride[2], nb, Ev, NULL, 0, nvc == 1);
+            } else
 #endif
-        {
+            {
 #if FA_CONVERTS
-            /* The conversion asks for the next block's rows too, a row at a
-             * time. Both together, on Zen 2, 1×8/1×1×32768×128 float16
-             * decoding from memory: 3.2 ms against 3.3 (the tiles only) and
-             * 3.9 (the conversion only); from cache 7 % slower than the
-             * conversion only, the tiles only 12 % (docs/tuning.md). */
-            FN(kv_rows)(s.kt, E, k + j0 * a->k_stride[2], a->k_stride[2], nb, E, FA_ROW_SCALE(ks, j0), stream);
-            FN(kv_rows)(s.vt, Ev, v + j0 * a->v_stride[2], a->v_stride[2], nb, Ev, FA_ROW_SCALE(vs, j0), stream);
+                /* The conversion asks for the next block's rows too, a row at a
+                 * time. Both together, on Zen 2, 1×8/1×1×32768×128 float16
+                 * decoding from memory: 3.2 ms against 3.3 (the tiles only) and
+                 * 3.9 (the conversion only); from cache 7 % slower than the
+                 * conversion only, the tiles only 12 % (docs/tuning.md). */
+                if (!converted++) {
+                    FN(kv_rows)(s.kt, E, k + j0 * a->k_stride[2], a->k_stride[2], nb_all, E, FA_ROW_SCALE(ks, j0), stream);
+                    FN(kv_rows)(s.vt, Ev, v + j0 * a->v_stride[2], a->v_stride[2], nb_all, Ev, FA_ROW_SCALE(vs, j0), stream);
+                }
 #endif
-            CN(scores_tile)(nvc, s.st, k_blk, k_rs, s.qt, E, nb, &nx);
-        }
-        if (modify) CN(lanes_modify)(a, s.st, nvc, j0, nb, neg_slope, diag);
-        FN(mask_block)((T *)s.st, 1, BQ, a, f, lo, hi, m_row, rows, j0, nb);
+                CN(scores_tile)(nvc, s.st, k_blk, k_rs, s.qt, E, nb, ask);
+            }
+            if (modify) CN(lanes_modify)(a, s.st, nvc, j0, nb, u->neg_slope, u->diag);
+            FN(mask_block)((T *)s.st, 1, BQ, a, &u->f, u->lo, u->hi, u->m_row, u->it.rows, j0, nb);
 #if defined(FA_AMX_TILES)
-        if (amx) {
-            FN(amx_softmax)(amx, nvc, s.st, nb, s.m, s.l, s.alpha, scaled ? 1 : (T)p->scale);
-            FN(amx_values)(amx, s.ot, it, v, a->v_stride[2], j0, nb, Ev, nvc, j0 == fresh ? 0 : s.alpha);
-        } else
+            if (amx) {
+                FN(amx_softmax)(amx, nvc, s.st, nb, s.m, s.l, s.alpha, scaled ? 1 : (T)p->scale);
+                FN(amx_values)(amx, s.ot, &u->it, v, a->v_stride[2], j0, nb, Ev, nvc, j0 == u->fresh ? 0 : s.alpha);
+            } else
 #endif
-        {
-            CN(softmax_block)(nvc, s.st, nb, s.m, s.l, s.alpha);
-            CN(values_tile)(nvc, s.ot, v_blk, v_rs, s.st, Ev, nb, j0 == fresh ? 0 : s.alpha, &nx, n_next);
-        }
-        if (j0 + FA_BK < f->j_end && j0 + FA_BK - fresh == FA_FOLD * FA_BK) {
-            CN(lanes_fold)(nvc, Ev, s, !folds++);
-            fresh = j0 + FA_BK;
-            for (int u = 0; u < nvc; u++) s.l[u] = (VT){0};
+            {
+                CN(softmax_block)(nvc, s.st, nb, s.m, s.l, s.alpha);
+                CN(values_tile)(nvc, s.ot, v_blk, v_rs, s.st, Ev, nb, j0 == u->fresh ? 0 : s.alpha, ask, n_next);
+            }
+            if (j0 + FA_BK < u->f.j_end && j0 + FA_BK - u->fresh == FA_FOLD * FA_BK) {
+                CN(lanes_fold)(nvc, Ev, s, !u->folds++);
+                u->fresh = j0 + FA_BK;
+                for (int w = 0; w < nvc; w++) s.l[w] = (VT){0};
+            }
         }
     }
-    if (folds) {
-        CN(lanes_fold)(nvc, Ev, s, 0);
-        CN(lanes_unfold)(nvc, Ev, s);
-    }
+    for (int g = 0; g < n; g++)
+        if (subs[g]->folds) {
+            CN(lanes_fold)(subs[g]->nvc, Ev, subs[g]->s, 0);
+            CN(lanes_unfold)(subs[g]->nvc, Ev, subs[g]->s);
+        }
 #undef FA_ROW_SCALE
 }
 
@@ -519,37 +580,66 @@ static void FN(lanes_item)(const fa_plan *p, const fa_item *it, void *scratch) {
     int64_t *call_state = (int64_t *)scratch; /* the call's first FA_ALIGN bytes: see amx_carve */
     scratch = (char *)scratch + FA_ALIGN;
 #endif
-    const CN(lanes_bufs) s = FN(lanes_carve)(scratch, p->a->E, p->a->Ev);
-    int64_t lo[BQ], hi[BQ], q_row[BQ], m_row[BQ];
-    const fa_rows f = fa_item_rows(p, it, lo, hi, q_row, m_row);
-    const int nvc = (int)((it->rows + W - 1) / W); /* vectors of lanes in use */
-    T neg_slope[BQ], sink[BQ];
-    int64_t diag[BQ];
-    if (p->a->alibi_slopes || p->a->sinks) FN(item_mods)(p, it, nvc * W, neg_slope, diag, sink);
+    const fa_args *a = p->a;
+    /* Sub-block g: rows g·BQ … of the item, and rows g·BQ … of its split-KV part. */
+    FN(lanes_sub) subs[FA_SUBS];
+    const int n = (int)((it->rows + BQ - 1) / BQ); /* at most FA_SUBS: the plan's lane_rows */
+    for (int g = 0; g < n; g++) {
+        FN(lanes_sub) *u = &subs[g];
+        u->it = *it;
+        u->it.t0 = it->t0 + (int64_t)g * BQ;
+        u->it.rows = it->rows - (int64_t)g * BQ < BQ ? it->rows - (int64_t)g * BQ : BQ;
+        if (it->partial) u->it.partial = (T *)it->partial + (size_t)g * BQ * (size_t)(a->Ev + 1);
+        u->s = FN(lanes_carve)(scratch, a->E, a->Ev, g);
+        u->f = fa_item_rows(p, &u->it, u->lo, u->hi, u->q_row, u->m_row);
+        u->nvc = (int)((u->it.rows + W - 1) / W); /* vectors of lanes in use */
+        if (a->alibi_slopes || a->sinks) FN(item_mods)(p, &u->it, u->nvc * W, u->neg_slope, u->diag, u->sink);
+    }
 #if defined(FA_AMX_TILES)
-    /* The tile buffers follow the lane layout's (amx_bytes). */
+    /* The tile buffers follow the lane layout's (amx_bytes); one sub-block here. */
     FN(amx_bufs) tiles;
     const FN(amx_bufs) *amx = NULL;
     if (FN(amx_usable)(p)) {
-        tiles = FN(amx_carve)(call_state, (char *)scratch + FN(lanes_scratch_bytes)(p->a->E, p->a->Ev), p->a->E,
-                              p->a->Ev, p->a->S);
+        tiles = FN(amx_carve)(call_state, (char *)scratch + FN(lanes_scratch_bytes)(a->E, a->Ev), a->E, a->Ev,
+                              a->S);
         amx = &tiles;
         FN(amx_begin)();
-        FN(amx_pack_q)(p, q_row, it->rows, nvc, tiles.qv);
+        FN(amx_pack_q)(p, subs[0].q_row, subs[0].it.rows, subs[0].nvc, tiles.qv);
     } else
 #else
     const void *amx = NULL;
 #endif
 #if defined(FA_DPBF16_SCORES)
-    if (FN(dp_usable)(p)) FN(dp_pack_q)(p, q_row, it->rows, nvc, s.qt);
+    if (FN(dp_usable)(p)) FN(dp_pack_q)(p, subs[0].q_row, subs[0].it.rows, subs[0].nvc, subs[0].s.qt);
     else
 #endif
-        CN(lanes_pack_q)(p, q_row, it->rows, nvc, fa_item_channels(p->a, it), s.qt);
-    FN(lanes_blocks)(p, it, &f, lo, hi, m_row, neg_slope, diag, nvc, s, amx);
+        for (int g = 0; g < n; g++)
+            CN(lanes_pack_q)(p, subs[g].q_row, subs[g].it.rows, subs[g].nvc, fa_item_channels(a, it), subs[g].s.qt);
+    /* Sub-blocks whose first keys are a whole number of blocks apart run
+     * together (causal, kv_lengths: all of them); a window can start each
+     * one elsewhere, and then it runs on its own grid, as an item of its own
+     * would. A sub-block that sees no key joins any group. */
+    unsigned done = 0;
+    for (int g0 = 0; g0 < n; g0++) {
+        if (done >> g0 & 1u) continue;
+        FN(lanes_sub) *group[FA_SUBS];
+        int m = 0;
+        const int empty0 = subs[g0].f.j_begin >= subs[g0].f.j_end;
+        for (int g = g0; g < n; g++) {
+            const int empty = subs[g].f.j_begin >= subs[g].f.j_end;
+            if ((done >> g & 1u) ||
+                !(g == g0 || empty || (!empty0 && (subs[g].f.j_begin - subs[g0].f.j_begin) % FA_BK == 0)))
+                continue;
+            group[m++] = &subs[g];
+            done |= 1u << g;
+        }
+        FN(lanes_blocks)(p, it, group, m, amx);
+    }
 #if defined(FA_AMX_TILES)
     if (amx) _tile_release();
 #endif
-    CN(lanes_store)(p, it, p->a->sinks && !it->partial ? sink : NULL, nvc, s);
+    for (int g = 0; g < n; g++)
+        CN(lanes_store)(p, &subs[g].it, a->sinks && !it->partial ? subs[g].sink : NULL, subs[g].nvc, subs[g].s);
 }
 
 #undef TILE

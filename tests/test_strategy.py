@@ -21,7 +21,7 @@ import pytest
 import fastattn
 from fastattn import _api, reference
 
-from _helpers import planned, tolerance
+from _helpers import as_float64, bf16, planned, tolerance
 
 f32, f64 = np.float32, np.float64
 
@@ -138,3 +138,57 @@ def test_forced_strategy_out_of_range_is_refused(strategy, what):
     with pytest.raises(ValueError, match="forced strategy"):
         _api.attention_with(q, k, k, strategy, out=out)
     assert (out == 7).all(), f"{what}: out was written"
+
+
+# --------------------------------------------------------------------------
+# Converting storage (16-bit, int8): items of several sub-blocks
+# --------------------------------------------------------------------------
+# A lane-layout item of converting storage holds up to a few blocks of the
+# float kernel's rows and converts each key block once for all of them
+# (kernel_lanes.h, FA_SUBS). Each block must compute exactly what an item of
+# its rows alone computes, whatever cuts its keys (causal, windows that start
+# each block elsewhere, rows that see no key, split-KV parts).
+
+SUB_OPTIONS = {
+    "plain": {},
+    "causal_L>S": dict(causal=True),             # the first rows see no key
+    "window": dict(causal="top_left", window=(45, 7)),  # blocks start off each other's grid
+    "mask_kv_lengths": dict(mask="bool", kv_lengths=True),
+}
+
+
+def _stored(x, kind):
+    if kind == "int8":
+        from fastattn.cache import quantize_int8
+        return quantize_int8(x)
+    return x.astype(np.float16 if kind == "float16" else bf16())
+
+
+@pytest.mark.parametrize("opt", SUB_OPTIONS)
+@pytest.mark.parametrize("kind", ["float16", "bfloat16", "int8"])
+def test_sub_blocks_compute_what_items_of_their_rows_do(isa, kind, opt):
+    B, Hq, Hkv, L, S, E, Ev = 2, 4, 2, 150, 133, 40, 24  # 300 rows per K/V head; L > S
+    rng = np.random.default_rng(zlib.crc32(repr(("sub", kind, opt)).encode()))
+    q = rng.standard_normal((B, Hq, L, E)).astype(f32)
+    k, v = _stored(rng.standard_normal((B, Hkv, S, E)), kind), _stored(rng.standard_normal((B, Hkv, S, Ev)), kind)
+    kw = dict(SUB_OPTIONS[opt])
+    if kw.get("mask") == "bool":
+        kw["mask"] = rng.random((B, 1, L, S)) < 0.8
+    if kw.get("kv_lengths"):
+        kw["kv_lengths"] = np.array([S, S // 2])
+    block = _most_rows("lanes", f32)  # the float kernel's rows: one sub-block
+    most = planned(q, k, v, {"layout": "lanes"}, **kw)["rows_per_item"]
+    assert most % block == 0 and most >= block
+    want = reference.attention(as_float64(q), as_float64(k), as_float64(v), **kw)
+    tol = tolerance(q, k, v, **kw)
+    for chunk in (0, 64):
+        alone = _api.attention_with(q, k, v, {"layout": "lanes", "rows_per_item": block, "chunk_keys": chunk}, **kw)
+        assert float(np.max(np.abs(alone - want))) <= tol
+        for rows in range(2 * block, most + 1, block):  # L ≥ rows: items stay in one head, as blocks do
+            strategy = {"layout": "lanes", "rows_per_item": rows, "chunk_keys": chunk}
+            got = _api.attention_with(q, k, v, dict(strategy, threads=1), **kw)
+            assert _same(got, alone), f"{strategy}: sub-blocks changed bits"
+            assert _same(_api.attention_with(q, k, v, dict(strategy, threads=3), **kw), got), strategy
+        # rows that are not a whole number of blocks: other cuts, same answer within tolerance
+        odd = _api.attention_with(q, k, v, {"layout": "lanes", "rows_per_item": most - 3, "chunk_keys": chunk}, **kw)
+        assert float(np.max(np.abs(odd - want))) <= tol
