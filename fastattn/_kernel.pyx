@@ -291,6 +291,28 @@ def max_threads():
     return fa_max_threads()
 
 
+cdef int _bf16_type = -1  # ml_dtypes' bfloat16 type number, once an array of it is seen
+
+
+cdef int _fast_code(cnp.ndarray x):
+    # the fa_dtype of a float array for attention_fast, or -1: bfloat16 is
+    # known by name (ml_dtypes registers it at a type number of its own)
+    global _bf16_type
+    cdef int t = cnp.PyArray_TYPE(x)
+    if t == cnp.NPY_FLOAT32:
+        return FA_F32
+    if t == cnp.NPY_FLOAT64:
+        return FA_F64
+    if t == cnp.NPY_FLOAT16:
+        return FA_F16
+    if t == _bf16_type:
+        return FA_BF16
+    if _bf16_type < 0 and cnp.PyArray_ITEMSIZE(x) == 2 and x.dtype.name == "bfloat16":
+        _bf16_type = t
+        return FA_BF16
+    return -1
+
+
 cdef bint _plain(object x, int ndim, int type_num):
     # an exact ndarray of that rank and dtype that C can read in place
     if type(x) is not cnp.ndarray:
@@ -310,8 +332,9 @@ cdef bint _plain(object x, int ndim, int type_num):
 
 def attention_fast(q, k, v, bint causal, kv_lengths=None, double scale=0.0, int num_threads=0,
                    out=None):
-    """The common call — q, k, v plain arrays of one float dtype and one rank
-    (2, 3 or 4), equal batch axes, no mask, kv_lengths None or
+    """The common call — q, k, v plain arrays of one rank (2, 3 or 4), k and v
+    of one dtype (float32, float16, bfloat16), q float32 or 16-bit (out in
+    q's dtype), or all three float64; equal batch axes, no mask, kv_lengths None or
     a 1-D int64 array with one entry per batch entry of 4-D inputs (a KV
     cache's decoding step), out None or a writeable plain array of the
     result's shape whose memory is clear of the inputs' (a layer's
@@ -319,16 +342,17 @@ def attention_fast(q, k, v, bint causal, kv_lengths=None, double scale=0.0, int 
     OpenMP default — checked and run without the general path's
     broadcasting. Returns None for anything else, and for any argument C
     refuses: the caller then takes the general path, which words the error."""
-    if type(q) is not cnp.ndarray:
+    if type(q) is not cnp.ndarray or type(k) is not cnp.ndarray:
         return None
-    cdef cnp.ndarray qa = <cnp.ndarray>q, ka, va, oa
+    cdef cnp.ndarray qa = <cnp.ndarray>q, ka = <cnp.ndarray>k, va, oa
     cdef int nd = cnp.PyArray_NDIM(qa)
-    cdef int dt = cnp.PyArray_TYPE(qa)
-    if nd < 2 or nd > 4 or (dt != cnp.NPY_FLOAT32 and dt != cnp.NPY_FLOAT64):
+    cdef int dt = cnp.PyArray_TYPE(qa), dt_kv = cnp.PyArray_TYPE(ka)  # out has q's dtype
+    cdef int code_q = _fast_code(qa), code_kv = _fast_code(ka)
+    if nd < 2 or nd > 4 or code_q < 0 or code_kv < 0 or (code_q == FA_F64) != (code_kv == FA_F64):
         return None
-    if not (_plain(q, nd, dt) and _plain(k, nd, dt) and _plain(v, nd, dt)):
+    if not (_plain(q, nd, dt) and _plain(k, nd, dt_kv) and _plain(v, nd, dt_kv)):
         return None
-    ka, va = <cnp.ndarray>k, <cnp.ndarray>v
+    va = <cnp.ndarray>v
     cdef int i
     for i in range(nd - 3):  # batch axes: equal, no broadcasting here
         if cnp.PyArray_DIM(qa, i) != cnp.PyArray_DIM(ka, i) or cnp.PyArray_DIM(qa, i) != cnp.PyArray_DIM(va, i):
@@ -361,7 +385,7 @@ def attention_fast(q, k, v, bint causal, kv_lengths=None, double scale=0.0, int 
     cdef fa_args a
     cdef int rc
     fa_args_init(&a)
-    a.dtype = FA_F32 if dt == cnp.NPY_FLOAT32 else FA_F64
+    a.dtype, a.q_dtype, a.out_dtype = code_kv, code_q, code_q
     a.B = 1
     if nd == 4:
         a.B = cnp.PyArray_DIM(qa, 0)

@@ -13,7 +13,7 @@ import pytest
 
 import fastattn
 from fastattn import reference
-from _helpers import planned, randn, tolerance
+from _helpers import bf16, planned, randn, tolerance
 
 f32, f64 = np.float32, np.float64
 
@@ -172,12 +172,23 @@ def test_default_scale_is_exactly_one_over_sqrt_E(isa, E, dtype):
         assert_bitwise(fastattn.attention(q[0, 0], k[0, 0], v[0, 0], **kw), want[0, 0])
 
 
-@pytest.mark.parametrize("dtype", [f32, f64])
+def _dtype(name):
+    return np.dtype(name) if name != "bfloat16" else bf16()
+
+
+# (q's dtype, k's and v's): the binding's fast path takes each of these
+CALL_DTYPES = [("float32",) * 2, ("float64",) * 2, ("float16",) * 2, ("bfloat16",) * 2,
+               ("float32", "float16"), ("float32", "bfloat16"), ("float16", "float32")]
+
+
+@pytest.mark.parametrize("dtypes", CALL_DTYPES, ids="/".join)
 @pytest.mark.parametrize("causal", [False, True])
-def test_every_call_path_gives_the_same_bits(isa, causal, dtype):
-    rng = _rng("paths", causal, dtype)
-    q, k, v = _qkv(rng, 2, 4, 2, 130, 150, 64, 48, dtype)
+def test_every_call_path_gives_the_same_bits(isa, causal, dtypes):
+    rng = _rng("paths", causal, dtypes)
+    q, k, v = _qkv(rng, 2, 4, 2, 130, 150, 64, 48, f64)
+    q, k, v = q.astype(_dtype(dtypes[0])), k.astype(_dtype(dtypes[1])), v.astype(_dtype(dtypes[1]))
     plain = fastattn.attention(q, k, v, causal=causal)
+    assert plain.dtype == q.dtype
     named = "bottom_right" if causal else False
     variants = {
         "return_lse": fastattn.attention(q, k, v, causal=causal, return_lse=True)[0],
@@ -191,6 +202,24 @@ def test_every_call_path_gives_the_same_bits(isa, causal, dtype):
     }
     for name, out in variants.items():
         assert_bitwise(out, plain, name)
+
+
+@pytest.mark.parametrize("dtypes", CALL_DTYPES, ids="/".join)
+def test_the_binding_takes_the_common_call_in_every_dtype(dtypes):
+    """The binding's fast path (checks and run in C, microseconds for a small
+    call) takes plain arrays of every dtype pair attention accepts, and leaves
+    a float64/16-bit mix to the general path, which words the error."""
+    from fastattn import _kernel
+    rng = _rng("fast", dtypes)
+    q, k, v = _qkv(rng, 1, 4, 2, 10, 10, 64, 64, f64)
+    q, k, v = q.astype(_dtype(dtypes[0])), k.astype(_dtype(dtypes[1])), v.astype(_dtype(dtypes[1]))
+    got = _kernel.attention_fast(q, k, v, False)
+    assert got is not None and got.dtype == q.dtype
+    assert_bitwise(got, fastattn.attention(q, k, v, mask=np.ones((10, 10), bool)))
+    if "float64" not in dtypes:
+        assert _kernel.attention_fast(q.astype(f64), k, v, False) is None
+        with pytest.raises(TypeError, match="float64"):
+            fastattn.attention(q.astype(f64), k, v)
 
 
 # --------------------------------------------------------------------------
