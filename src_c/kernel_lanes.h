@@ -30,15 +30,17 @@
 
 /* Sub-blocks. Converting storage (16-bit, int8) converts each key block of
  * K and V into scratch before the float tiles read it, once per item; so an
- * item of many rows (prefill) holds up to FA_SUBS blocks of BQ rows, which
- * take each converted key block in turn: one conversion serves FA_SUBS·BQ
- * rows. Each sub-block computes exactly what an item of its rows alone
- * would (the same key blocks, folds and bits); only the conversion is
- * shared. On Zen 2 (AVX2, 16 rows a block) converting once per 16 rows cost
- * a float16 prefill 15 % of float32's time, a bfloat16 one 20 %
- * (docs/tuning.md). The AMX and VDPBF16PS sets read K in place: one there. */
+ * item of many rows (prefill) holds FA_SUBS blocks of BQ rows, up to
+ * FA_SUB_ROWS rows in all, which take each converted key block in turn: one
+ * conversion serves them all. Each block computes exactly what an item of
+ * its rows alone would (the same key blocks, folds and bits); only the
+ * conversion is shared. On Zen 2 (AVX2, 16 rows a block) converting once per
+ * 16 rows had cost a float16 prefill 15 % of float32's time, a bfloat16 one
+ * 20 % (docs/tuning.md). AVX-512's blocks already hold 64 rows, and items
+ * stay that small for many cores; the AMX and VDPBF16PS sets read K in place. */
+#define FA_SUB_ROWS 64
 #if FA_CONVERTS && !defined(FA_AMX_TILES) && !defined(FA_DPBF16_SCORES)
-#define FA_SUBS 4
+#define FA_SUBS (FA_NV * W < FA_SUB_ROWS ? FA_SUB_ROWS / (FA_NV * W) : 1) /* BQ is gone by the kernel table */
 #else
 #define FA_SUBS 1
 #endif
@@ -583,6 +585,7 @@ static void FN(lanes_item)(const fa_plan *p, const fa_item *it, void *scratch) {
     const fa_args *a = p->a;
     /* Sub-block g: rows g·BQ … of the item, and rows g·BQ … of its split-KV part. */
     FN(lanes_sub) subs[FA_SUBS];
+    _Static_assert(FA_SUBS <= 32, "sub-blocks are marked done in an unsigned");
     const int n = (int)((it->rows + BQ - 1) / BQ); /* at most FA_SUBS: the plan's lane_rows */
     for (int g = 0; g < n; g++) {
         FN(lanes_sub) *u = &subs[g];
