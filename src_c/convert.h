@@ -41,7 +41,7 @@ static inline uint16_t fa_f32_to_bf16(float x) {
  * the smallest half subnormal) do the rounding. */
 static inline uint16_t fa_f32_to_f16(float x) {
     const uint32_t u = fa_bits_f32(x), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
-    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | (a >> 13));     /* NaN, quiet */
+    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu)); /* NaN, quiet, its sign kept */
     if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);                /* ≥ 65520: inf */
     if (a < 0x38800000u) {                                                  /* below 2^-14: subnormal or 0 */
         const float r = fa_f32_bits(a) + 0.5f;                              /* rounds at 2^-24 */

@@ -52,26 +52,57 @@ static inline T FN(kv_at)(const KV *p) {
 typedef KV FN(kv_vec) __attribute__((vector_size(FA_WPP * sizeof(KV))));
 #endif
 
-/* W elements (whole vector). F16C / AVX-512 / NEON convert in one
- * instruction; elsewhere the bit-exact formulas of convert.h, lane-wise. */
-static inline VT FN(kv_load)(const KV *p) {
-#if !FA_CONVERTS
-    return FN(v_loadu)(p);
-#elif defined(FA_KV_F16) && FA_VBYTES == 64 && defined(__AVX512F__)
+#if FA_MANT == 23
+/* W 16-bit codes as floats, exactly (the values of convert.h's functions):
+ * float16 (bf16 = 0) or bfloat16 (bf16 = 1, a constant wherever it is
+ * inlined). K and V storage and 16-bit q load through here. F16C, AVX-512
+ * and NEON convert float16 in one instruction; bfloat16 zero-extends from
+ * memory and shifts into the high half (GCC 12 spells the generic widening
+ * as two 128-bit halves and an insert, six instructions a ymm where these
+ * are two: docs/tuning.md); elsewhere the same arithmetic lane-wise. */
+typedef uint16_t FN(h16_vec) __attribute__((vector_size(FA_WPP * sizeof(uint16_t))));
+static inline __attribute__((always_inline)) VT FN(h16_load)(const uint16_t *p, const int bf16) {
+    if (bf16) {
+#if FA_VBYTES == 64 && defined(__AVX512F__)
+        return (VT)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+#elif FA_VBYTES == 32 && defined(__AVX2__)
+        return (VT)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+#else
+        FN(h16_vec) x;
+        memcpy(&x, p, sizeof x);
+        return (VT)(__builtin_convertvector(x, VU) << 16);
+#endif
+    }
+#if FA_VBYTES == 64 && defined(__AVX512F__)
     return (VT)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-#elif defined(FA_KV_F16) && FA_VBYTES == 32 && defined(__F16C__)
+#elif FA_VBYTES == 32 && defined(__F16C__)
     return (VT)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-#elif defined(FA_KV_F16) && FA_VBYTES == 16 && defined(__aarch64__)
+#elif FA_VBYTES == 16 && defined(__aarch64__)
     float16x4_t h;
     memcpy(&h, p, sizeof h);
     return (VT)vcvt_f32_f16(h);
-/* bfloat16: zero-extend from memory, then shift into the high half. GCC 12
- * spells the generic widening below as two 128-bit halves and an insert
- * (six instructions for a ymm where these are two; docs/tuning.md). */
-#elif defined(FA_KV_BF16) && FA_VBYTES == 64 && defined(__AVX512F__)
-    return (VT)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
-#elif defined(FA_KV_BF16) && FA_VBYTES == 32 && defined(__AVX2__)
-    return (VT)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+#else
+    /* binary16 → float as in convert.h: magnitude bits times 2^112, or the
+     * all-ones exponent for inf and NaN */
+    FN(h16_vec) x;
+    memcpy(&x, p, sizeof x);
+    const VU h = __builtin_convertvector(x, VU);
+    const VU sign = (h & 0x8000u) << 16, mag = (h & 0x7fffu) << 13;
+    const VU scaled = (VU)((VT)mag * 0x1p112f);
+    const VU special = (VU)((h & 0x7c00u) == 0x7c00u);
+    return (VT)(sign | (special & (mag | 0x7f800000u)) | (~special & scaled));
+#endif
+}
+#endif
+
+/* W elements (whole vector), as T. */
+static inline VT FN(kv_load)(const KV *p) {
+#if !FA_CONVERTS
+    return FN(v_loadu)(p);
+#elif defined(FA_KV_F16)
+    return FN(h16_load)(p, 0);
+#elif defined(FA_KV_BF16)
+    return FN(h16_load)(p, 1);
 /* int8: sign-extend to 32 bits, then convert (GCC 12 scalarises a direct
  * __builtin_convertvector from int8 lanes, so each ISA spells it out). */
 #elif defined(FA_KV_I8) && FA_VBYTES == 64 && defined(__AVX512F__)
@@ -92,21 +123,7 @@ static inline VT FN(kv_load)(const KV *p) {
 #else
     FN(kv_vec) x;
     memcpy(&x, p, sizeof x);
-#if defined(FA_KV_I8)
     return __builtin_convertvector(x, VT);
-#else
-    const VU h = __builtin_convertvector(x, VU);
-#if defined(FA_KV_BF16)
-    return (VT)(h << 16);
-#else
-    /* binary16 → float as in convert.h: magnitude bits times 2^112, or the
-     * all-ones exponent for inf and NaN */
-    const VU sign = (h & 0x8000u) << 16, mag = (h & 0x7fffu) << 13;
-    const VU scaled = (VU)((VT)mag * 0x1p112f);
-    const VU special = (VU)((h & 0x7c00u) == 0x7c00u);
-    return (VT)(sign | (special & (mag | 0x7f800000u)) | (~special & scaled));
-#endif
-#endif
 #endif
 }
 
@@ -152,6 +169,9 @@ static void FN(kv_rows)(T *dst, int64_t d_rs, const KV *src, int64_t s_rs, int64
 static inline VT FN(q_load)(const fa_plan *p, int64_t off, int n) {
     if (p->q_dtype == FA_F16 || p->q_dtype == FA_BF16) {
         const uint16_t *q = (const uint16_t *)p->a->q + off;
+#if FA_MANT == 23
+        if (n == W) return FN(h16_load)(q, p->q_dtype == FA_BF16);
+#endif
         VT v = {0};
         for (int u = 0; u < n; u++) v[u] = p->q_dtype == FA_F16 ? fa_f16_to_f32(q[u]) : fa_bf16_to_f32(q[u]);
         return v;
@@ -184,7 +204,16 @@ static inline void FN(out_put)(const fa_plan *p, const fa_item *it, int64_t off,
         memcpy((T *)it->partial + off, vals, (size_t)n * sizeof(T));
     } else if (p->out_dtype == FA_F16) {
         uint16_t *o = (uint16_t *)p->a->out + off;
-        for (int64_t e = 0; e < n; e++) o[e] = fa_f32_to_f16((float)vals[e]);
+        int64_t e = 0;
+        /* whole vectors: F16C / AVX-512 round to nearest even, the bits of fa_f32_to_f16 */
+#if FA_MANT == 23 && FA_VBYTES == 64 && defined(__AVX512F__)
+        for (; e + W <= n; e += W)
+            _mm256_storeu_si256((__m256i *)(o + e), _mm512_cvtps_ph((__m512)FN(v_loadu)(vals + e), _MM_FROUND_TO_NEAREST_INT));
+#elif FA_MANT == 23 && FA_VBYTES == 32 && defined(__F16C__)
+        for (; e + W <= n; e += W)
+            _mm_storeu_si128((__m128i *)(o + e), _mm256_cvtps_ph((__m256)FN(v_loadu)(vals + e), _MM_FROUND_TO_NEAREST_INT));
+#endif
+        for (; e < n; e++) o[e] = fa_f32_to_f16((float)vals[e]);
     } else if (p->out_dtype == FA_BF16) {
         uint16_t *o = (uint16_t *)p->a->out + off;
         int64_t e = 0;
@@ -389,3 +418,4 @@ static const fa_kernel FN(kernel) = {
 #undef FA_AMX_TILES
 #undef FA_DPBF16_SCORES
 #undef FA_SUBS
+#undef FA_SUB_ROWS

@@ -218,3 +218,33 @@ def test_bfloat16_output_rounds_whole_vectors_like_single_values(isa):
         same = (got[0, 0].view(np.uint16) == want.view(np.uint16)) | (np.isnan(got[0, 0].astype(F32)) &
                                                                        np.isnan(want.astype(F32)))
         assert same.all(), (layout, np.argwhere(~same))
+
+
+def test_float16_output_rounds_whole_vectors_like_single_values(isa):
+    """The output's rounding to float16 (F16C or AVX-512 a vector at a time,
+    convert.h's single values in the tail and on other CPUs): ties to even,
+    the overflow boundary, subnormals, and a NaN's sign, all as NumPy rounds
+    them. With q = 0 both keys weigh 1/2, so out = (v0 + v1)/2 exactly in
+    float32; v float32, q float16, so out is float16."""
+    Ev = 40  # two vectors of 16 (avx512) or five of 8, and a tail of 8
+    v0 = np.full(Ev, 1.0, F32)
+    v1 = np.full(Ev, 1.0, F32)
+    v1[0::8] = 1 + 2.0**-10             # mean 1 + 2^-11: a tie, to even (1)
+    v1[1::8] = 1 + 3 * 2.0**-10         # mean 1 + 3·2^-11: a tie, to even (1 + 2^-9)
+    v0[2::8], v1[2::8] = 65504, 65536   # mean 65520: the tie at the top, to inf
+    v0[3::8], v1[3::8] = 65504, 65535   # mean 65519.5: stays 65504
+    v0[4::8], v1[4::8] = 2.0**-24, 0    # mean 2^-25: a tie between 0 and the least subnormal, to 0
+    v0[5::8], v1[5::8] = 3 * 2.0**-24, 0  # mean 1.5·2^-24: a tie, to even (2^-23)
+    v0[6::8] = np.nan                   # a NaN keeps its sign
+    v0[7::8] = -np.nan
+    v = np.stack([v0, v1])[None, None]  # (1, 1, 2, Ev)
+    q = np.zeros((1, 1, 3, 32), F16)
+    k = np.zeros((1, 1, 2, 32), F32)
+    with np.errstate(over="ignore"):  # 65520 rounds to inf, as meant
+        want = np.broadcast_to(((v0 + v1) / 2).astype(F16), (3, Ev))
+    assert np.signbit(want[0, 7]) and not np.signbit(want[0, 6])
+    for layout in ("rows", "lanes"):  # a whole row at once; a vector of lanes at a time
+        got = _api.attention_with(q, k, v, {"layout": layout})
+        assert got.dtype == F16
+        assert np.array_equal(got[0, 0].view(np.uint16), want.view(np.uint16)), (
+            layout, np.argwhere(got[0, 0].view(np.uint16) != want.view(np.uint16)))
