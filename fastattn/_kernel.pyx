@@ -121,17 +121,11 @@ cdef int _fill(fa_args *a, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndar
 
 cdef int _code(cnp.ndarray x) except -1:
     # the fa_dtype of an array the API has checked
-    cdef int t = cnp.PyArray_TYPE(x)
-    if t == cnp.NPY_FLOAT32:
-        return FA_F32
-    if t == cnp.NPY_FLOAT64:
-        return FA_F64
-    if t == cnp.NPY_FLOAT16:
-        return FA_F16
-    if t == cnp.NPY_INT8:
+    cdef int c = _float_code(x)
+    if c >= 0:
+        return c
+    if cnp.PyArray_TYPE(x) == cnp.NPY_INT8:
         return FA_I8
-    if x.dtype.name == "bfloat16":
-        return FA_BF16
     raise TypeError(f"no fastattn dtype for {x.dtype}")
 
 
@@ -294,9 +288,9 @@ def max_threads():
 cdef int _bf16_type = -1  # ml_dtypes' bfloat16 type number, once an array of it is seen
 
 
-cdef int _fast_code(cnp.ndarray x):
-    # the fa_dtype of a float array for attention_fast, or -1: bfloat16 is
-    # known by name (ml_dtypes registers it at a type number of its own)
+cdef int _float_code(cnp.ndarray x):
+    # the fa_dtype of a float array, or -1: bfloat16 is known by name
+    # (ml_dtypes registers it at a type number of its own)
     global _bf16_type
     cdef int t = cnp.PyArray_TYPE(x)
     if t == cnp.NPY_FLOAT32:
@@ -347,7 +341,7 @@ def attention_fast(q, k, v, bint causal, kv_lengths=None, double scale=0.0, int 
     cdef cnp.ndarray qa = <cnp.ndarray>q, ka = <cnp.ndarray>k, va, oa
     cdef int nd = cnp.PyArray_NDIM(qa)
     cdef int dt = cnp.PyArray_TYPE(qa), dt_kv = cnp.PyArray_TYPE(ka)  # out has q's dtype
-    cdef int code_q = _fast_code(qa), code_kv = _fast_code(ka)
+    cdef int code_q = _float_code(qa), code_kv = _float_code(ka)
     if nd < 2 or nd > 4 or code_q < 0 or code_kv < 0 or (code_q == FA_F64) != (code_kv == FA_F64):
         return None
     if not (_plain(q, nd, dt) and _plain(k, nd, dt_kv) and _plain(v, nd, dt_kv)):
