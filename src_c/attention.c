@@ -46,27 +46,28 @@ static void merge_parts(const fa_work *w, int64_t base, char *parts) {
     const int64_t Ev = a->Ev, nc = w->n_chunks;
     const fa_item it = fa_item_at(w, base * nc, parts);
     for (int64_t r = 0; r < it.rows; r++) {
-        int64_t h, i;
+        int64_t h, i, lse_off;
         fa_row_at(&w->plan, &it, r, &h, &i);
+        const int64_t o_off = fa_out_offset(&w->plan, &it, r, &lse_off); /* in each chunk's part (it.partial) */
         /* The sink logit, if any, joins here once (the parts are computed without it). */
         const double sink = a->sinks ? a->sinks[h] : -INFINITY;
         double top = sink, sum = 0;
         for (int64_t c = 0; c < nc; c++) {
-            double lse_c = load_t(parts + (size_t)(base * nc + c) * w->part_bytes, r * (Ev + 1) + Ev, f32);
+            double lse_c = load_t(parts + (size_t)(base * nc + c) * w->part_bytes, lse_off, f32);
             if (lse_c > top || isnan(lse_c)) top = isnan(top) ? top : lse_c;
         }
         void *o = (char *)a->out + (it.b * a->out_stride[0] + h * a->out_stride[1] + i * a->out_stride[2]) *
                                        (int64_t)dtype_bytes(out_dtype);
         double wgt[FA_CHUNKS_MAX];
         for (int64_t c = 0; c < nc; c++) {
-            wgt[c] = exp(load_t(parts + (size_t)(base * nc + c) * w->part_bytes, r * (Ev + 1) + Ev, f32) - top);
+            wgt[c] = exp(load_t(parts + (size_t)(base * nc + c) * w->part_bytes, lse_off, f32) - top);
             sum += wgt[c]; /* a NaN top (or part) makes every weight NaN */
         }
         if (sink > -INFINITY) sum += exp(sink - top);
         for (int64_t e = 0; e < Ev; e++) {
             double acc = 0;
             for (int64_t c = 0; c < nc; c++)
-                if (wgt[c] != 0) acc += wgt[c] * load_t(parts + (size_t)(base * nc + c) * w->part_bytes, r * (Ev + 1) + e, f32);
+                if (wgt[c] != 0) acc += wgt[c] * load_t(parts + (size_t)(base * nc + c) * w->part_bytes, o_off + e, f32);
             /* rounded to the computation type first, as an unsplit call's output is */
             const double o_e = top == -INFINITY ? 0 : acc / sum;
             store_out(o, e, f32 ? (double)(float)o_e : o_e, out_dtype);
