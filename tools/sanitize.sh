@@ -91,10 +91,19 @@ CC=$tmp/cc CFLAGS=$san_cflags FASTATTN_REQUIRE_OPENMP=1 FASTATTN_ISA_KERNELS=$ke
     "$py" -m pip install -q --no-cache-dir --no-build-isolation ".[test]"
 so=$(cd "$tmp" && LD_PRELOAD=$libasan ASAN_OPTIONS=detect_leaks=0 \
     "$py" -c 'import fastattn._kernel as k; print(k.__file__)')
-if ! ldd "$so" | grep -q libasan; then
-    say "sanitize: FAILED: the installed $so is not instrumented"
+# ldd's output is read whole before it is searched: `ldd | grep -q` under
+# pipefail fails at random, because grep -q exits at the first match and ldd,
+# still writing the lines after libasan's, dies of SIGPIPE (CI failed so at
+# stop 22 with an instrumented build).
+so_libs=$(ldd "$so")
+case $so_libs in
+*libasan*) ;;
+*)
+    say "sanitize: FAILED: the installed $so is not instrumented; ldd lists:"
+    say "$so_libs"
     exit 1
-fi
+    ;;
+esac
 
 export LD_PRELOAD=$libasan
 export PYTHONMALLOC=malloc
