@@ -467,7 +467,8 @@ def attention_with(q, k, v, strategy, **kwargs):
 def plan(q, k, v, strategy=None, **kwargs):
     """What the driver decides for ``attention(q, k, v, **kwargs)`` (tests
     only): one dict per kernel call (layout, rows_per_item, chunk_keys,
-    threads, row_blocks, key_chunks, items, serial, key_block). Runs nothing."""
+    threads, row_blocks, key_chunks, items, serial, key_block, lane_block).
+    Runs nothing."""
     p = _prepare(q, k, v, **kwargs)
     return [_kernel.plan(c["q"], c["k"], c["v"], c["out"], c["lse"], c["mask"], *p.flags, c["lens"],
                          *p.scale_threads, force=strategy, mods=p.modifiers(c)) for c in p.calls]

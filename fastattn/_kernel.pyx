@@ -72,7 +72,7 @@ cdef extern from "internal.h" nogil:
         int threads
         int64_t row_blocks, key_chunks, items
         int serial
-        int64_t key_block
+        int64_t key_block, lane_block
     int FA_LAYOUT_AUTO, FA_LAYOUT_LANES, FA_LAYOUT_ROWS
     int fa_attention_with(const fa_args *args, const fa_strategy *force)
     int fa_plan_call(const fa_args *args, const fa_strategy *force, fa_strategy *decided)
@@ -178,7 +178,7 @@ cdef int _strategy(fa_strategy *s, object force) except -1:
     # force: None or a dict with any of layout ("auto", "lanes", "rows"),
     # rows_per_item, chunk_keys, threads (0 or absent: the driver decides)
     s.layout, s.rows_per_item, s.chunk_keys, s.threads = 0, 0, 0, 0
-    s.row_blocks, s.key_chunks, s.items, s.serial, s.key_block = 0, 0, 0, 0, 0
+    s.row_blocks, s.key_chunks, s.items, s.serial, s.key_block, s.lane_block = 0, 0, 0, 0, 0, 0
     if force is None:
         return 0
     unknown = set(force) - {"layout", "rows_per_item", "chunk_keys", "threads"}
@@ -222,7 +222,8 @@ def plan(q, k, v, out, lse, mask, int causal, int align, int64_t wl, int64_t wr,
          kv_len, double scale, int num_threads, force=None, mods=None):
     """What the driver decides for this call (arguments as attention's):
     a dict of layout, rows_per_item, chunk_keys, threads, row_blocks,
-    key_chunks, items and serial. Runs nothing."""
+    key_chunks, items, serial, key_block and lane_block (the rows of one
+    lane-layout sub-block). Runs nothing."""
     cdef fa_args a
     cdef fa_strategy s, d
     _fill(&a, q, k, v, out, lse, mask, causal, align, wl, wr, kv_len, scale, num_threads, mods)
@@ -233,7 +234,8 @@ def plan(q, k, v, out, lse, mask, int causal, int align, int64_t wl, int64_t wr,
     names = {v: n for n, v in LAYOUTS.items()}
     return {"layout": names[d.layout], "rows_per_item": d.rows_per_item, "chunk_keys": d.chunk_keys,
             "threads": d.threads, "row_blocks": d.row_blocks, "key_chunks": d.key_chunks,
-            "items": d.items, "serial": bool(d.serial), "key_block": d.key_block}
+            "items": d.items, "serial": bool(d.serial), "key_block": d.key_block,
+            "lane_block": d.lane_block}
 
 
 def isa():

@@ -83,6 +83,7 @@ typedef void (*fa_item_fn)(const fa_plan *p, const fa_item *it, void *scratch);
  * converts q, K and V to its computation type as it loads them. */
 typedef struct fa_kernel {
     int64_t lane_rows;        /* query rows a lane-layout item holds (its vector lanes) */
+    int64_t lane_block;       /* of which one sub-block holds this many (FA_NV vectors; kernel_lanes.h) */
     int64_t rows_auto;        /* the driver picks the row layout for at most this many rows */
     int64_t key_block;        /* keys per block of the online softmax (FA_BK) */
     size_t (*scratch_bytes)(int64_t E, int64_t Ev, int64_t S);   /* one thread's, either layout */
@@ -141,6 +142,7 @@ typedef struct fa_strategy {
     int64_t key_chunks;     /* chunks per row block */
     int64_t items;          /* row_blocks · key_chunks */
     int64_t key_block;      /* keys per block in the kernel (block sums and skipping) */
+    int64_t lane_block;     /* rows of one lane-layout sub-block: a lanes item holds whole ones */
     int serial;             /* the call is too small to wake a worker */
 } fa_strategy;
 

@@ -390,6 +390,7 @@ static void FN(softcap_array)(const void *xp, void *yp, int64_t n, double c) {
 
 static const fa_kernel FN(kernel) = {
     FA_SUBS * FA_NV * W,  /* lane_rows: FA_SUBS blocks of FA_NV vectors of rows (kernel_lanes.h) */
+    FA_NV * W,  /* lane_block */
     W / 2,      /* rows_auto: half a vector or less (measured per ISA: docs/tuning.md) */
     FA_BK,
     FN(scratch_bytes),

@@ -28,18 +28,22 @@
 #define FA_FOLD 8
 #endif
 
-/* Sub-blocks. Converting storage (16-bit, int8) converts each key block of
- * K and V into scratch before the float tiles read it, once per item; so an
- * item of many rows (prefill) holds FA_SUBS blocks of BQ rows, up to
- * FA_SUB_ROWS rows in all, which take each converted key block in turn: one
- * conversion serves them all. Each block computes exactly what an item of
- * its rows alone would (the same key blocks, folds and bits); only the
- * conversion is shared. On Zen 2 (AVX2, 16 rows a block) converting once per
- * 16 rows had cost a float16 prefill 15 % of float32's time, a bfloat16 one
- * 20 % (docs/tuning.md). AVX-512's blocks already hold 64 rows, and items
- * stay that small for many cores; the AMX and VDPBF16PS sets read K in place. */
+/* Sub-blocks. An item of many rows (prefill) holds FA_SUBS blocks of BQ
+ * rows, up to FA_SUB_ROWS rows in all, which take each key block in turn:
+ * the block is read from memory or L3 once for all of them and stays in
+ * L1/L2 while they use it, and converting storage (16-bit, int8) converts
+ * it into scratch once for all of them. Each block computes exactly what an
+ * item of its rows alone would (the same key blocks, folds and bits); only
+ * the block's reads and conversion are shared. Measured (docs/tuning.md):
+ * on Zen 2 (AVX2, 16 rows a block) converting once per 16 rows had cost a
+ * float16 prefill 15 % of float32's time, a bfloat16 one 20 %; with float
+ * storage, on Sapphire Rapids, 1×8×4096×4096×64 (2 MB of K and V a head,
+ * more than its L2) ran 5-7 % faster with the AVX2 set, sse2's 3-7 %,
+ * float64's 3-14 %, and the other prefill shapes level. AVX-512's float32
+ * blocks already hold 64 rows, and items stay that small for many cores;
+ * the AMX and VDPBF16PS sets read K in place. */
 #define FA_SUB_ROWS 64
-#if FA_CONVERTS && !defined(FA_AMX_TILES) && !defined(FA_DPBF16_SCORES)
+#if !defined(FA_AMX_TILES) && !defined(FA_DPBF16_SCORES)
 #define FA_SUBS (FA_NV * W < FA_SUB_ROWS ? FA_SUB_ROWS / (FA_NV * W) : 1) /* BQ is gone by the kernel table */
 #else
 #define FA_SUBS 1

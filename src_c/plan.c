@@ -153,6 +153,7 @@ int fa_plan_work(const fa_args *a, const fa_strategy *force, fa_work *w) {
     w->elem_bytes = a->dtype == FA_F64 ? sizeof(double) : sizeof(float); /* the computation type */
     w->scratch = kern->scratch_bytes(a->E, a->Ev, a->S);
     w->key_block = kern->key_block;
+    w->lane_block = kern->lane_block;
     const int64_t S_seen = fa_keys_seen(a);
     int err = plan_rows(a, kern, w->plan.group, force, w);
     if (!err) err = plan_chunks(a, force, S_seen, w);
@@ -202,5 +203,6 @@ int fa_plan_call(const fa_args *a, const fa_strategy *force, fa_strategy *d) {
     d->items = w.n_items;
     d->serial = w.serial;
     d->key_block = w.key_block;
+    d->lane_block = w.lane_block;
     return FA_OK;
 }

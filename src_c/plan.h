@@ -23,7 +23,7 @@ typedef struct fa_work {
     size_t part_bytes;     /* one split-KV part: bq · (Ev + 1) elements */
     size_t elem_bytes;     /* of the computation type: split-KV parts and lse */
     int threads, serial;
-    int64_t key_block;     /* the kernel's, for fa_plan_call */
+    int64_t key_block, lane_block; /* the kernel's, for fa_plan_call */
 } fa_work;
 
 /* Plans a call that fa_check accepted; force as in fa_attention_with.

@@ -101,7 +101,7 @@ def _fold_error(q, k, scale):
 def planned(q, k, v, strategy=None, **kw):
     """What the driver decides for ``fastattn.attention(q, k, v, **kw)``: the
     plan of its one kernel call (layout, rows_per_item, chunk_keys, threads,
-    row_blocks, key_chunks, items, serial, key_block). Tests ask this instead
+    row_blocks, key_chunks, items, serial, key_block, lane_block). Tests ask this instead
     of copying the driver's constants."""
     from fastattn import _api
     plans = _api.plan(q, k, v, strategy, **kw)

@@ -141,11 +141,12 @@ def test_forced_strategy_out_of_range_is_refused(strategy, what):
 
 
 # --------------------------------------------------------------------------
-# Converting storage (16-bit, int8): items of several sub-blocks
+# Items of several sub-blocks
 # --------------------------------------------------------------------------
-# A lane-layout item of converting storage holds up to a few blocks of the
-# float kernel's rows and converts each key block once for all of them
-# (kernel_lanes.h, FA_SUBS). Each block must compute exactly what an item of
+# A lane-layout item holds up to a few blocks of the kernel's rows which
+# take each key block in turn (kernel_lanes.h, FA_SUBS): converting storage
+# (16-bit, int8) converts the block once for all of them, and every storage
+# reads it once from memory. Each block must compute exactly what an item of
 # its rows alone computes, whatever cuts its keys (causal, windows that start
 # each block elsewhere, rows that see no key, split-KV parts).
 
@@ -161,24 +162,26 @@ def _stored(x, kind):
     if kind == "int8":
         from fastattn.cache import quantize_int8
         return quantize_int8(x)
-    return x.astype(np.float16 if kind == "float16" else bf16())
+    return x.astype({"float16": np.float16, "float32": f32, "float64": f64}.get(kind) or bf16())
 
 
 @pytest.mark.parametrize("opt", SUB_OPTIONS)
-@pytest.mark.parametrize("kind", ["float16", "bfloat16", "int8"])
+@pytest.mark.parametrize("kind", ["float32", "float64", "float16", "bfloat16", "int8"])
 def test_sub_blocks_compute_what_items_of_their_rows_do(isa, kind, opt):
     B, Hq, Hkv, L, S, E, Ev = 2, 4, 2, 150, 133, 40, 24  # 300 rows per K/V head; L > S
     rng = np.random.default_rng(zlib.crc32(repr(("sub", kind, opt)).encode()))
-    q = rng.standard_normal((B, Hq, L, E)).astype(f32)
+    q = rng.standard_normal((B, Hq, L, E)).astype(f64 if kind == "float64" else f32)
     k, v = _stored(rng.standard_normal((B, Hkv, S, E)), kind), _stored(rng.standard_normal((B, Hkv, S, Ev)), kind)
     kw = dict(SUB_OPTIONS[opt])
     if kw.get("mask") == "bool":
         kw["mask"] = rng.random((B, 1, L, S)) < 0.8
     if kw.get("kv_lengths"):
         kw["kv_lengths"] = np.array([S, S // 2])
-    block = _most_rows("lanes", f32)  # the float kernel's rows: one sub-block
-    most = planned(q, k, v, {"layout": "lanes"}, **kw)["rows_per_item"]
+    plan = planned(q, k, v, {"layout": "lanes"}, **kw)
+    block, most = plan["lane_block"], plan["rows_per_item"]  # one sub-block's rows; an item's
     assert most % block == 0 and most >= block
+    if isa in ("avx2", "sse2", "neon", "scalar"):  # blocks of under 64 rows: items hold several
+        assert most > block
     want = reference.attention(as_float64(q), as_float64(k), as_float64(v), **kw)
     tol = tolerance(q, k, v, **kw)
     for chunk in (0, 64):

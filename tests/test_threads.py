@@ -20,7 +20,7 @@ f32, f64, f16 = np.float32, np.float64, np.float16
 CASES = {
     "prefill": (2, 8, 8, 333, 257, 40, 24, f32, {}, None),
     "prefill_causal_gqa": (1, 16, 4, 517, 517, 64, 64, f32, dict(causal=True), None),
-    "prefill_window_mask_f64": (2, 4, 2, 301, 290, 33, 17, f64, dict(window=(50, 7), mask=True), None),
+    "prefill_window_mask_f64": (4, 4, 2, 301, 290, 33, 17, f64, dict(window=(50, 7), mask=True), None),
     "prefill_split_kv": (1, 4, 2, 70, 3000, 64, 48, f32, dict(causal="top_left"), {"chunk_keys": 250}),
     "prefill_long_folds": (2, 8, 8, 200, 9000, 16, 16, f32, dict(kv_lengths=[7777, 9000]), None),
     "prefill_float16": (1, 16, 4, 300, 300, 64, 64, f16, dict(causal=True), None),
