@@ -39,25 +39,6 @@ if os.environ.get("FASTATTN_TEST_INPLACE") != "1":
 REPO = _REPO
 
 
-def pytest_collection_modifyitems(config, items):
-    """FASTATTN_TEST_SHARD=k/n keeps every n-th test from the k-th (0-based) of
-    the collected order, so n processes at once each get a like share of every
-    file's cases (tools/sanitize.sh runs two: split by file, one half had taken
-    194 s against the other's 116)."""
-    shard = os.environ.get("FASTATTN_TEST_SHARD")
-    if not shard:
-        return
-    try:
-        k, n = (int(x) for x in shard.split("/"))
-        if not 0 <= k < n:
-            raise ValueError
-    except ValueError:
-        raise pytest.UsageError(f"FASTATTN_TEST_SHARD must be k/n with 0 <= k < n; got {shard!r}") from None
-    kept = items[k::n]
-    config.hook.pytest_deselected(items=[t for i, t in enumerate(items) if i % n != k])
-    items[:] = kept
-
-
 def pytest_report_header(config):
     i = fastattn.info()
     return (f"fastattn {i['version']} from {pathlib.Path(fastattn.__file__).parent}; "

@@ -129,27 +129,32 @@ t0=$(date +%s)
 # tests/test_c_api.py and the C example build programs with the system compiler
 # (not instrumented); the C API program is built with the sanitizers below.
 #
-# Two pytest processes at once, each on every other test of the collected
-# order (FASTATTN_TEST_SHARD, tests/conftest.py), so each gets a like share of
-# every file: most tests are small calls where Python, not the kernel's two
-# threads, keeps a core busy. (Split by files instead, one half had taken 194 s
-# and the other 116 on Sapphire Rapids.)
-harness_only="test_c_api.py test_reference.py test_dtypes_reference.py test_benchmarks.py test_cli.py test_examples.py"
-ignores=()
-for f in $harness_only; do ignores+=("--ignore=tests/$f"); done
-pytest_half() {  # pytest_half LOG: the half FASTATTN_TEST_SHARD names, its output to LOG
+# Two pytest processes at once, each on half of the files (split by size,
+# largest first, onto the lighter half): most tests are small calls where
+# Python, not the kernel's two threads, keeps a core busy.
+harness_only=" test_c_api.py test_reference.py test_dtypes_reference.py test_benchmarks.py test_cli.py test_examples.py "
+half_a=() half_b=()
+size_a=0 size_b=0
+for f in $(cd tests && ls -S test_*.py); do
+    case "$harness_only" in *" $f "*) continue ;; esac
+    size=$(wc -c <"tests/$f")
+    if [ "$size_a" -le "$size_b" ]; then half_a+=("tests/$f"); size_a=$((size_a + size))
+    else half_b+=("tests/$f"); size_b=$((size_b + size)); fi
+done
+pytest_half() {  # pytest_half LOG FILES...: one half, its output to LOG
     local out=$1
+    shift
     # The amx and avx512bf16 sets are avx512's code but for their bfloat16
     # lane items, which tests/test_amx.py, tests/test_dpbf16.py and the C API
     # program run: the isa fixture skips them.
     FASTATTN_TEST_SKIP_ISAS=amx,avx512bf16 "$venv/bin/pytest" -q --capture=sys -p no:cacheprovider -k "not $LEAK_TEST and not c_decode_example" \
-        "${ignores[@]}" tests >"$out" 2>&1
+        "$@" >"$out" 2>&1
 }
 both_halves() {
     local rc_a rc_b
-    FASTATTN_TEST_SHARD=0/2 pytest_half "$tmp/half_a.log" &
+    pytest_half "$tmp/half_a.log" "${half_a[@]}" &
     local pid_a=$!
-    FASTATTN_TEST_SHARD=1/2 pytest_half "$tmp/half_b.log" || rc_b=$?
+    pytest_half "$tmp/half_b.log" "${half_b[@]}" || rc_b=$?
     wait "$pid_a" || rc_a=$?
     cat "$tmp/half_a.log" "$tmp/half_b.log"
     return $(( ${rc_a:-0} | ${rc_b:-0} ))
