@@ -37,8 +37,8 @@
  * the block's reads and conversion are shared. Measured (docs/tuning.md):
  * on Zen 2 (AVX2, 16 rows a block) converting once per 16 rows had cost a
  * float16 prefill 15 % of float32's time, a bfloat16 one 20 %; with float
- * storage, on Sapphire Rapids, 1×8×4096×4096×64 (2 MB of K and V a head,
- * more than its L2) ran 5-7 % faster with the AVX2 set, sse2's 3-7 %,
+ * storage, on Sapphire Rapids, 1×8×4096×4096×64 (2 MiB of K and V a head,
+ * a core's whole L2 there) ran 5-7 % faster with the AVX2 set, sse2's 3-7 %,
  * float64's 3-14 %, and the other prefill shapes level. AVX-512's float32
  * blocks already hold 64 rows, and items stay that small for many cores;
  * the AMX and VDPBF16PS sets read K in place. */
