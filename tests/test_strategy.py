@@ -162,7 +162,7 @@ def _stored(x, kind):
     if kind == "int8":
         from fastattn.cache import quantize_int8
         return quantize_int8(x)
-    return x.astype({"float16": np.float16, "float32": f32, "float64": f64}.get(kind) or bf16())
+    return x.astype(bf16() if kind == "bfloat16" else np.dtype(kind))
 
 
 @pytest.mark.parametrize("opt", SUB_OPTIONS)

@@ -98,11 +98,11 @@ def _stored(x, how):
 
 
 def digests():
-    result = {}
+    result, calls = {}, _storage_calls()
     for isa in fastattn.available_isas():
         fastattn.set_isa(isa)
         for (n, shape), (name, dtype, how), (o, opts), threads in itertools.product(
-                enumerate(SHAPES), _storage_calls(), enumerate(OPTIONS), (1, 2)):
+                enumerate(SHAPES), calls, enumerate(OPTIONS), (1, 2)):
             rng, q, k, v = _inputs(shape, np.float32 if how is not None else dtype, seed=n)
             kw = _kwargs(opts, rng, shape, np.float64 if dtype == np.float64 else np.float32)
             q, k, v = q.astype(dtype), _stored(k, how), _stored(v, how)
