@@ -43,8 +43,16 @@ _Static_assert(FA_BK % W == 0, "rows of st hold whole vectors of scores");
 /* Vectors of K or V a 64-byte cache line holds (at least 1; a power of 2): the rows with
  * several query rows ask for the next block a line at a time (docs/tuning.md). */
 #define FA_LINE_VECS (64 / (W * (int)sizeof(KV)) > 0 ? 64 / (W * (int)sizeof(KV)) : 1)
-/* Vectors of the head dim one row's P·V sums at a time (dot_values_n). */
+/* P·V's vectors of the head dim at a time (dot_values_n), set per ISA by
+ * measurement (kernels_<isa>.c): a row takes 8, or FA_ROW_GROUP where 8 do
+ * not hold it; FA_ROWS_WHOLE: items of more than one row do the same, else
+ * they take one vector at a time. */
+#ifndef FA_ROW_GROUP
 #define FA_ROW_GROUP 8
+#endif
+#ifndef FA_ROWS_WHOLE
+#define FA_ROWS_WHOLE 0
+#endif
 
 /* One row, keys j0 .. j0 + FA_ROW_KEYS − 1: st[j] = q · K_j. */
 static inline __attribute__((always_inline)) void FN(dot_scores_row)(
@@ -118,18 +126,26 @@ static inline __attribute__((always_inline)) void FN(values_group)(
     }
 }
 
-/* o[r] = o[r]·alpha[r] + Σ_j p[r][j] · V_j, one vector of the head dim at a
- * time so the R accumulators stay in registers; first: o[r] = Σ. The sum
- * starts from 0 and meets o once (a blocked sum: see TILE in kernel_item.h). */
+/* o[r] = o[r]·alpha[r] + Σ_j p[r][j] · V_j, G vectors of the head dim at a
+ * time (a constant at each call: rows_item picks it); first: o[r] = Σ. The
+ * sum starts from 0 and meets o once (a blocked sum: see TILE in
+ * kernel_lanes.h). Each sum runs over j in order: the same bits for any G.
+ *
+ * Why whole rows: G vectors over a block's keys, then the next G, read V in
+ * strips (the first G·W elements of every row of the block, then the next),
+ * and from memory strips read slowly. On Zen 3 (AVX2), 1×32×1×4096×128
+ * decoded 10-20 % faster with G = 16 (a whole row) than with 8, and grouped
+ * rows (4 rows, G = 16 against 1) 25-40 % faster, from cache too; the
+ * accumulators that 16 ymm registers do not hold live on the stack, a load
+ * and a store a key, which memory hides (docs/tuning.md). One row of
+ * 16-bit or int8 storage keeps 8, whose widening needs registers too: with
+ * 16 it measured level from memory and up to 9 % slower from cache. On
+ * AVX-512 more rows than one had measured faster with G = 1 than with 2
+ * (7aa4b82), so that set keeps them at 1 until measured again. */
 static inline __attribute__((always_inline)) void FN(dot_values_n)(
-    const int R, VT *os, int64_t nEv, const T *st, const KV *v, int64_t v_rs, int64_t Ev, int64_t nb,
+    const int R, const int G, VT *os, int64_t nEv, const T *st, const KV *v, int64_t v_rs, int64_t Ev, int64_t nb,
     const T *alpha, int first) {
     const int64_t full = Ev / W, tail = Ev % W;
-    /* G vectors of the head dim at a time, G·R accumulators in registers.
-     * One row reads V rows whole and in order (G = FA_ROW_GROUP); more rows keep G = 1,
-     * which measured faster for them (docs/tuning.md). Each sum still runs
-     * over j in order: the same bits for any G. */
-    const int G = R == 1 ? FA_ROW_GROUP : 1;
     for (int64_t u0 = 0; u0 < nEv; u0 += G) {
         const int g = nEv - u0 < G ? (int)(nEv - u0) : G;
         VT acc[FA_FEW][FA_ROW_GROUP];
@@ -292,8 +308,13 @@ static void FN(rows_item)(const fa_plan *p, const fa_item *it, void *scratch) {
         for (int64_t r = 0; r < rows; r++) /* p·(v8·v_scale) = (p·v_scale)·v8; l already has p */
             for (int64_t j = 0; j < nb; j++) st[r * FA_BK + j] *= vs[(j0 + j) * vs_rs];
 #endif
-#define FA_CALL(R) FN(dot_values_n)(R, os, nEv, st, v + j0 * v_rs, v_rs, Ev, nb, alpha, j0 == fresh)
+#define FA_VALUES(R, G) FN(dot_values_n)(R, G, os, nEv, st, v + j0 * v_rs, v_rs, Ev, nb, alpha, j0 == fresh)
+#define FA_CALL(R)                                                          \
+    if (R > 1 && !FA_ROWS_WHOLE) FA_VALUES(R, 1);                           \
+    else if (nEv <= 8 || FA_ROW_GROUP == 8 || (FA_CONVERTS && R == 1)) FA_VALUES(R, 8); \
+    else FA_VALUES(R, FA_ROW_GROUP);
         FA_BY_ROWS(rows, FA_CALL)
+#undef FA_VALUES
 #undef FA_CALL
         if (j0 + FA_BK < f.j_end && j0 + FA_BK - fresh == FA_FOLD * FA_BK) {
             FN(rows_fold)(rows, nEv, os, tot, tc, m, l, mt, lt, lc, !folds++);

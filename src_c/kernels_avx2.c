@@ -13,4 +13,8 @@
 #ifndef FA_BK
 #define FA_BK 64
 #endif
+/* Row layout (kernel_rows.h): a whole row of E = 128 at once, for grouped
+ * rows too (measured on Zen 3: docs/tuning.md). */
+#define FA_ROW_GROUP 16
+#define FA_ROWS_WHOLE 1
 #include "kernel_isa.h"

@@ -17,4 +17,8 @@
 #ifndef FA_BK
 #define FA_BK 64
 #endif
+/* Row layout (kernel_rows.h): 16 vectors of P·V at a time, for two rows too
+ * (SSE2 measured on Zen 3: docs/tuning.md). */
+#define FA_ROW_GROUP 16
+#define FA_ROWS_WHOLE 1
 #include "kernel_isa.h"
