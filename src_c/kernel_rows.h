@@ -134,7 +134,7 @@ static inline __attribute__((always_inline)) void FN(values_group)(
  * Why whole rows: G vectors over a block's keys, then the next G, read V in
  * strips (the first G·W elements of every row of the block, then the next),
  * and from memory strips read slowly. On Zen 3 (AVX2), 1×32×1×4096×128
- * decoded 10-20 % faster with G = 16 (a whole row) than with 8, and grouped
+ * decoded 7-19 % faster with G = 16 (a whole row) than with 8, and grouped
  * rows (4 rows, G = 16 against 1) 25-40 % faster, from cache too; the
  * accumulators that 16 ymm registers do not hold live on the stack, a load
  * and a store a key, which memory hides (docs/tuning.md). One row of

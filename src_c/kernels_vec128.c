@@ -18,7 +18,8 @@
 #define FA_BK 64
 #endif
 /* Row layout (kernel_rows.h): 16 vectors of P·V at a time, for two rows too
- * (SSE2 measured on Zen 3: docs/tuning.md). */
+ * (SSE2 measured on Zen 3: docs/tuning.md; NEON, which has twice the
+ * registers, is only run under qemu here, not timed). */
 #define FA_ROW_GROUP 16
 #define FA_ROWS_WHOLE 1
 #include "kernel_isa.h"
