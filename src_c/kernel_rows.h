@@ -44,15 +44,26 @@ _Static_assert(FA_BK % W == 0, "rows of st hold whole vectors of scores");
  * several query rows ask for the next block a line at a time (docs/tuning.md). */
 #define FA_LINE_VECS (64 / (W * (int)sizeof(KV)) > 0 ? 64 / (W * (int)sizeof(KV)) : 1)
 /* P·V's vectors of the head dim at a time (dot_values_n), set per ISA by
- * measurement (kernels_<isa>.c): a row takes 8, or FA_ROW_GROUP where 8 do
- * not hold it; FA_ROWS_WHOLE: items of more than one row do the same, else
- * they take one vector at a time. */
+ * measurement (kernels_<isa>.c): items of up to FA_ROWS_WHOLE_MAX rows read
+ * each V row whole (4 vectors where 4 hold it, else 8, or FA_ROW_GROUP where
+ * 8 do not); items of more rows take FA_ROWS_MANY_G vectors at a time. */
 #ifndef FA_ROW_GROUP
 #define FA_ROW_GROUP 8
 #endif
-#ifndef FA_ROWS_WHOLE
-#define FA_ROWS_WHOLE 0
+#ifndef FA_ROWS_WHOLE_MAX
+#define FA_ROWS_WHOLE_MAX 1
 #endif
+#ifndef FA_ROWS_MANY_G
+#define FA_ROWS_MANY_G 1
+#endif
+/* One row's scores (dot_scores_row) ask for the next block's K lines in a
+ * burst of FA_ROW_KEYS rows before the sums, or, for storage of at least
+ * FA_ROW_SPREAD_BYTES bytes an element (0: never), a line at a time inside
+ * them (docs/tuning.md, "Stop 25"). */
+#ifndef FA_ROW_SPREAD_BYTES
+#define FA_ROW_SPREAD_BYTES 0
+#endif
+#define FA_ROW_SPREAD (FA_ROW_SPREAD_BYTES > 0 && (int)sizeof(KV) >= FA_ROW_SPREAD_BYTES)
 
 /* One row, keys j0 .. j0 + FA_ROW_KEYS − 1: st[j] = q · K_j. */
 static inline __attribute__((always_inline)) void FN(dot_scores_row)(
@@ -60,14 +71,20 @@ static inline __attribute__((always_inline)) void FN(dot_scores_row)(
     const int64_t full = E / W, tail = E % W;
     VT acc[FA_ROW_KEYS];
     for (int t = 0; t < FA_ROW_KEYS; t++) {
-        fa_prefetch_l2(k + (j0 + t + FA_BK) * k_rs, E * (int64_t)sizeof(KV));
+        if (!FA_ROW_SPREAD) fa_prefetch_l2(k + (j0 + t + FA_BK) * k_rs, E * (int64_t)sizeof(KV));
         acc[t] = (VT){0};
     }
-    for (int64_t u = 0; u < full; u++)
+    for (int64_t u = 0; u < full; u++) {
+        if (FA_ROW_SPREAD && u % FA_LINE_VECS == 0)
+            for (int t = 0; t < FA_ROW_KEYS; t++) __builtin_prefetch(k + (j0 + t + FA_BK) * k_rs + u * W, 0, 2);
         for (int t = 0; t < FA_ROW_KEYS; t++) acc[t] += qs[u] * FN(kv_load)(k + (j0 + t) * k_rs + u * W);
-    if (tail)
+    }
+    if (tail) {
+        if (FA_ROW_SPREAD && full % FA_LINE_VECS == 0)
+            for (int t = 0; t < FA_ROW_KEYS; t++) __builtin_prefetch(k + (j0 + t + FA_BK) * k_rs + full * W, 0, 2);
         for (int t = 0; t < FA_ROW_KEYS; t++)
             acc[t] += qs[full] * FN(kv_load_part)(k + (j0 + t) * k_rs + full * W, (int)tail);
+    }
     for (int t = 0; t < FA_ROW_KEYS; t++) st[j0 + t] = FN(v_hsum)(acc[t]);
 }
 
@@ -139,9 +156,13 @@ static inline __attribute__((always_inline)) void FN(values_group)(
  * accumulators that 16 ymm registers do not hold live on the stack, a load
  * and a store a key, which memory hides (docs/tuning.md). One row of
  * 16-bit or int8 storage keeps 8, whose widening needs registers too: with
- * 16 it measured level from memory and up to 9 % slower from cache. On
- * AVX-512 more rows than one had measured faster with G = 1 than with 2
- * (7aa4b82), so that set keeps them at 1 until measured again. */
+ * 16 it measured level from memory and up to 9 % slower from cache. On Zen 4
+ * (AVX-512), 4 rows read whole (G = 8 at E = 128: 32 accumulators) took
+ * 0.58-0.82x the time of G = 1, and 8 rows 4 vectors at a time 0.83-0.89x
+ * (whole, 64 accumulators, was slower for int8). A whole row of 4 vectors
+ * or fewer takes G = 4: the loop of constant length (E = 64, 4 rows: 0.59x
+ * with G = 4 against 0.93x with G = 8). */
+_Static_assert(FA_ROWS_MANY_G <= FA_ROW_GROUP && FA_ROW_GROUP >= 8, "acc holds G vectors a row");
 static inline __attribute__((always_inline)) void FN(dot_values_n)(
     const int R, const int G, VT *os, int64_t nEv, const T *st, const KV *v, int64_t v_rs, int64_t Ev, int64_t nb,
     const T *alpha, int first) {
@@ -310,8 +331,9 @@ static void FN(rows_item)(const fa_plan *p, const fa_item *it, void *scratch) {
 #endif
 #define FA_VALUES(R, G) FN(dot_values_n)(R, G, os, nEv, st, v + j0 * v_rs, v_rs, Ev, nb, alpha, j0 == fresh)
 #define FA_CALL(R)                                                          \
-    if (R > 1 && !FA_ROWS_WHOLE) FA_VALUES(R, 1);                           \
-    else if (nEv <= 8 || FA_ROW_GROUP == 8 || (FA_CONVERTS && R == 1)) FA_VALUES(R, 8); \
+    if (R > FA_ROWS_WHOLE_MAX) FA_VALUES(R, FA_ROWS_MANY_G);                \
+    else if (nEv <= 4) FA_VALUES(R, 4);                                     \
+    else if (nEv <= 8 || (FA_CONVERTS && R == 1)) FA_VALUES(R, 8);          \
     else FA_VALUES(R, FA_ROW_GROUP);
         FA_BY_ROWS(rows, FA_CALL)
 #undef FA_VALUES

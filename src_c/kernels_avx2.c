@@ -16,5 +16,5 @@
 /* Row layout (kernel_rows.h): a whole row of E = 128 at once, for grouped
  * rows too (measured on Zen 3: docs/tuning.md). */
 #define FA_ROW_GROUP 16
-#define FA_ROWS_WHOLE 1
+#define FA_ROWS_WHOLE_MAX FA_ROWS_MAX
 #include "kernel_isa.h"

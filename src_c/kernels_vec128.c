@@ -21,5 +21,5 @@
  * (SSE2 measured on Zen 3: docs/tuning.md; NEON, which has twice the
  * registers, is only run under qemu here, not timed). */
 #define FA_ROW_GROUP 16
-#define FA_ROWS_WHOLE 1
+#define FA_ROWS_WHOLE_MAX FA_ROWS_MAX
 #include "kernel_isa.h"

@@ -16,6 +16,7 @@ import sys
 import numpy as np
 import pytest
 
+import fastattn
 from fastattn.bench import block, checks, dtypes, peers, plot, report, run, shapes, timing
 from fastattn.bench.shapes import BLOCK_SHAPES, SHAPE_GROUPS, SHAPES, SHAPES_BY_NAME, Shape
 
@@ -630,7 +631,21 @@ def test_peer_in_16_bit_matches_reference(name, dt):
     ref = checks.reference_for(shape, q, k, v)
     out = np.asarray(lib.prepare(q, k, v, shape.causal, 1)())
     assert out.shape == q.shape[:-1] + (v.shape[-1],) and out.dtype == q.dtype
-    assert checks.max_error(out, ref) <= ref.tolerance
+    error = checks.max_error(out, ref)
+    if name == "openvino" and dt == "bfloat16" and _has_native_bf16():
+        # OpenVINO's CPU plugin computes bf16 attention in bf16 where the CPU
+        # has AVX512-BF16 or AMX, whatever the precision hint: on Zen 4 this
+        # case measured 1.18x the tolerance (fastattn 0.36x). The bench then
+        # reports it as a failed check; here a wiring error (a transposed or
+        # unmasked input) would still be off by far more than twice.
+        assert error <= 2 * ref.tolerance
+    else:
+        assert error <= ref.tolerance
+
+
+def _has_native_bf16():
+    features = fastattn.info()["cpu_features"]
+    return "avx512bf16" in features or any(f.startswith("amx") for f in features)
 
 
 def test_bench_command_runs_16_bit_and_int8(monkeypatch, capsys):
