@@ -158,7 +158,7 @@ static inline __attribute__((always_inline)) void FN(values_group)(
  * 16-bit or int8 storage keeps 8, whose widening needs registers too: with
  * 16 it measured level from memory and up to 9 % slower from cache. On Zen 4
  * (AVX-512), 4 rows read whole (G = 8 at E = 128: 32 accumulators) took
- * 0.58-0.82x the time of G = 1, and 8 rows 4 vectors at a time 0.83-0.89x
+ * 0.58-0.86x the time of G = 1, and 8 rows 4 vectors at a time 0.83-0.89x
  * (whole, 64 accumulators, was slower for int8). A whole row of 4 vectors
  * or fewer takes G = 4: the loop of constant length (E = 64, 4 rows: 0.59x
  * with G = 4 against 0.93x with G = 8). */
