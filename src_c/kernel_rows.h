@@ -45,8 +45,11 @@ _Static_assert(FA_BK % W == 0, "rows of st hold whole vectors of scores");
 #define FA_LINE_VECS (64 / (W * (int)sizeof(KV)) > 0 ? 64 / (W * (int)sizeof(KV)) : 1)
 /* P·V's vectors of the head dim at a time (dot_values_n), set per ISA by
  * measurement (kernels_<isa>.c): items of up to FA_ROWS_WHOLE_MAX rows read
- * each V row whole (4 vectors where 4 hold it, else 8, or FA_ROW_GROUP where
- * 8 do not); items of more rows take FA_ROWS_MANY_G vectors at a time. */
+ * each V row whole (8 vectors where 8 hold it, else FA_ROW_GROUP; with
+ * FA_ROW_SHORT_G4, 4 where 4 hold it); items of more rows take
+ * FA_ROWS_MANY_G vectors at a time. Each G is one more copy of the P·V loop
+ * for every row count: G = 4 everywhere made the AVX2 kernel's sanitizer
+ * build (CI) a third slower, for rows of E <= 32 only there. */
 #ifndef FA_ROW_GROUP
 #define FA_ROW_GROUP 8
 #endif
@@ -55,6 +58,9 @@ _Static_assert(FA_BK % W == 0, "rows of st hold whole vectors of scores");
 #endif
 #ifndef FA_ROWS_MANY_G
 #define FA_ROWS_MANY_G 1
+#endif
+#ifndef FA_ROW_SHORT_G4
+#define FA_ROW_SHORT_G4 0
 #endif
 /* One row's scores (dot_scores_row) ask for the next block's K lines in a
  * burst of FA_ROW_KEYS rows before the sums, or, for storage of at least
@@ -160,8 +166,8 @@ static inline __attribute__((always_inline)) void FN(values_group)(
  * (AVX-512), 4 rows read whole (G = 8 at E = 128: 32 accumulators) took
  * 0.58-0.86x the time of G = 1, and 8 rows 4 vectors at a time 0.83-0.89x
  * (whole, 64 accumulators, was slower for int8). A whole row of 4 vectors
- * or fewer takes G = 4: the loop of constant length (E = 64, 4 rows: 0.59x
- * with G = 4 against 0.93x with G = 8). */
+ * or fewer takes G = 4 there (FA_ROW_SHORT_G4): the loop of constant length
+ * (E = 64, 4 rows: 0.59x with G = 4 against 0.93x with G = 8). */
 _Static_assert(FA_ROWS_MANY_G <= FA_ROW_GROUP && FA_ROW_GROUP >= 8, "acc holds G vectors a row");
 static inline __attribute__((always_inline)) void FN(dot_values_n)(
     const int R, const int G, VT *os, int64_t nEv, const T *st, const KV *v, int64_t v_rs, int64_t Ev, int64_t nb,
@@ -332,7 +338,7 @@ static void FN(rows_item)(const fa_plan *p, const fa_item *it, void *scratch) {
 #define FA_VALUES(R, G) FN(dot_values_n)(R, G, os, nEv, st, v + j0 * v_rs, v_rs, Ev, nb, alpha, j0 == fresh)
 #define FA_CALL(R)                                                          \
     if (R > FA_ROWS_WHOLE_MAX) FA_VALUES(R, FA_ROWS_MANY_G);                \
-    else if (nEv <= 4) FA_VALUES(R, 4);                                     \
+    else if (FA_ROW_SHORT_G4 && nEv <= 4) FA_VALUES(R, 4);                  \
     else if (nEv <= 8 || (FA_CONVERTS && R == 1)) FA_VALUES(R, 8);          \
     else FA_VALUES(R, FA_ROW_GROUP);
         FA_BY_ROWS(rows, FA_CALL)
