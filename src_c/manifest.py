@@ -6,7 +6,7 @@ tests, tools/*.sh and the docs read it. Not here: OpenMP detection (setup.py
 probes the compiler) and headers (found by glob). Stdlib only, Python >= 3.9,
 loaded by file path. Paths are relative to the repository root: run it there.
 
-    python3 src_c/manifest.py lib [--cc CC] [--out DIR] [--cflags FLAGS] [--program FILE.c]
+    python3 src_c/manifest.py lib [--cc CC] [--out DIR] [--cflags FLAGS] [--program FILE.c] [--isa-objects DIR]
     python3 src_c/manifest.py cc-line [--target x86_64|aarch64] [--cc CC] [FILE.c ...] [-o EXE]
     python3 src_c/manifest.py flags | sources [--target x86_64|aarch64]
     python3 src_c/manifest.py kernels [--runnable]
@@ -200,10 +200,17 @@ def _ask(cc, flag):
     return subprocess.run([cc, flag], capture_output=True, text=True, check=True).stdout.strip()
 
 
-def build_lib(cc="cc", out=OUT, extra=(), target=None, program=None):
+def build_lib(cc="cc", out=OUT, extra=(), target=None, program=None, isa_objects=None):
     """Build out/libfastattn.a for the machine cc builds for (`cc -dumpmachine`,
     so a cross compiler gets its own kernels), printing each command; with
-    program, also link out/<its name> against it. Returns the library's path."""
+    program, also link out/<its name> against it. Returns the library's path.
+
+    isa_objects: a folder that already holds the per-ISA kernels' objects
+    (kernels_<name>.o, as setup.py's build leaves them in build/temp.*/src_c),
+    archived as they are instead of compiled again. For tools/sanitize.sh:
+    under ASan each per-ISA kernel takes minutes to compile, and the
+    extension's build has just compiled them with the same compiler, macros
+    and sanitizers. The other sources are still compiled here (seconds)."""
     target = target or _ask(cc, "-dumpmachine")
     accepts = compiler_accepts(cc)
     os.makedirs(out, exist_ok=True)
@@ -221,9 +228,16 @@ def build_lib(cc="cc", out=OUT, extra=(), target=None, program=None):
 
     # One compiler per file, as many at once as there are processors: the
     # per-ISA kernels take most of the time and build independently.
-    commands = [[cc, *cflags(target, extra, accepts), *own, "-c", path, "-o", _object(out, path)]
-                for path, own in steps(target, accepts)]
-    objects = [c[-1] for c in commands]
+    commands, objects = [], []
+    for path, own in steps(target, accepts):
+        if own and isa_objects is not None:
+            objects.append(_object(isa_objects, path))
+            if not os.path.isfile(objects[-1]):
+                raise FileNotFoundError(f"--isa-objects {isa_objects}: no {os.path.basename(objects[-1])} "
+                                        f"there; it needs one for every per-ISA kernel built ({path})")
+        else:
+            commands.append([cc, *cflags(target, extra, accepts), *own, "-c", path, "-o", _object(out, path)])
+            objects.append(commands[-1][-1])
     with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
         list(pool.map(run, commands))
     lib = os.path.join(out, LIB)
@@ -244,6 +258,8 @@ def main(argv=None):
     lib.add_argument("--out", default=OUT, metavar="DIR")
     lib.add_argument("--cflags", default="", help="added after the manifest's flags (later ones win)")
     lib.add_argument("--program", metavar="FILE.c", help="also link DIR/FILE against the library")
+    lib.add_argument("--isa-objects", metavar="OBJDIR",
+                     help="archive the per-ISA kernels' objects found in OBJDIR instead of compiling them")
     line = sub.add_parser("cc-line", help="print one shell line that builds FILE.c with the sources")
     line.add_argument("programs", nargs="*", default=["your.c"], metavar="FILE.c")
     line.add_argument("-o", dest="exe", default=None)
@@ -257,7 +273,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     target = a.target or platform.machine()
     if a.command == "lib":
-        build_lib(a.cc, a.out, shlex.split(a.cflags), a.target, a.program)
+        build_lib(a.cc, a.out, shlex.split(a.cflags), a.target, a.program, a.isa_objects)
     elif a.command == "cc-line":
         print(cc_line(target, a.cc, a.programs, a.exe or os.path.splitext(a.programs[0])[0]))
     elif a.command == "kernels":

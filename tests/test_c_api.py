@@ -76,6 +76,30 @@ def test_capi_program_passes_with_scalar_isa(capi_binary):
     _check_summary(r)
 
 
+def test_lib_archives_isa_objects_it_is_given_without_compiling_them(tmp_path, c_library):
+    """`manifest.py lib --isa-objects DIR` (tools/sanitize.sh hands it the
+    extension build's objects): the per-ISA kernels come from DIR as they are,
+    the rest is compiled, and the program links and passes. The compiler here
+    refuses any kernels_*.c but the baseline ones, so a kernel compiled again
+    would fail the build. A folder that lacks one is refused, naming it."""
+    cc = tmp_path / "no-isa-cc"
+    cc.write_text('#!/bin/sh\nfor a in "$@"; do case "$a" in *kernels_avx*|*kernels_amx*) exit 3;; esac; done\n'
+                  f'exec {CC} "$@"\n')
+    cc.chmod(0o755)
+    isa = [path for path, own in MANIFEST.steps(MANIFEST._ask(CC, "-dumpmachine")) if own]
+    cmd = [sys.executable, str(SRC / "manifest.py"), "lib", "--cc", str(cc), "--program", "tests/c/test_capi.c"]
+    r = _run([*cmd, "--out", str(tmp_path / "out"), "--isa-objects", str(c_library)])
+    assert not any(p in line for p in isa for line in r.stdout.splitlines()), r.stdout
+    _check_summary(_run([str(tmp_path / "out" / "test_capi")]))
+    if not isa:
+        return   # off x86-64 there is nothing to take from the folder
+    (tmp_path / "empty").mkdir()
+    r = subprocess.run([*cmd, "--out", str(tmp_path / "out2"), "--isa-objects", str(tmp_path / "empty")],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    assert f"--isa-objects {tmp_path / 'empty'}: no {os.path.basename(isa[0])[:-2]}.o there" in r.stderr
+
+
 def test_header_is_self_contained(tmp_path, c_library):
     """fastattn.h alone, strict C99: it includes what it needs itself."""
     src = tmp_path / "uses_header.c"

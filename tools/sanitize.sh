@@ -13,7 +13,11 @@
 #   SANITIZE_OPT   optimisation level, default -O2. Not -O1: GCC contracts
 #          a*b+c into FMA only from -O2, and without FMA the vector exp2 is
 #          1.11 ulp instead of 0.84, which tests/test_isa.py rightly refuses
-#          for the FMA sets. -O3 (what ships) also works, at twice the build time.
+#          for the FMA sets. -O1 -fexpensive-optimizations contracts too and
+#          builds faster (kernels_avx2.c 73 s against 188 s), but the suite's
+#          two halves then took 520 and 241 s against 271 and 149 s at -O2
+#          (Zen 4, stop 26 against CI at stop 25): more than the build saves.
+#          -O3 (what ships) also works, at twice the build time.
 #
 # How:
 # - CC is a wrapper that adds -fsanitize=address,undefined to every compile
@@ -87,6 +91,7 @@ san_cflags="-fno-sanitize-recover=undefined -fno-wrapv -fno-omit-frame-pointer -
 kernels=${FASTATTN_ISA_KERNELS-$(python3 src_c/manifest.py kernels --runnable)}
 say "::: sanitize: build ($base_cc -fsanitize=address,undefined $opt; per-ISA kernels: ${kernels:-none})"
 "$py" -m pip install -q "setuptools>=77" "cython>=3" "numpy>=2"
+touch "$tmp/before-build"
 CC=$tmp/cc CFLAGS=$san_cflags FASTATTN_REQUIRE_OPENMP=1 FASTATTN_ISA_KERNELS=$kernels \
     "$py" -m pip install -q --no-cache-dir --no-build-isolation ".[test]"
 so=$(cd "$tmp" && LD_PRELOAD=$libasan ASAN_OPTIONS=detect_leaks=0 \
@@ -165,9 +170,24 @@ ASAN_OPTIONS=$asan_common:quarantine_size_mb=0 run "pytest $LEAK_TEST (quarantin
     "$venv/bin/pytest" -q --capture=sys -p no:cacheprovider tests/test_errors.py -k "$LEAK_TEST"
 
 # The C API program, instrumented the same way (no preload: it links the
-# runtime), linked against the library that src_c/manifest.py builds.
+# runtime), linked against the library that src_c/manifest.py builds. Its
+# per-ISA kernels are the objects the extension's build above just compiled
+# with the same wrapper, flags and kernels (pip builds in the tree, into
+# build/temp.*/src_c): compiling them again took 430 s of CI's 1159 s
+# sanitizer stage at stop 25 (three kernels on Zen 4). Where no fresh objects
+# are found (pip built elsewhere), the manifest compiles them.
+isa_objects=()
+if [ -n "$kernels" ]; then
+    fresh=$(find build -path '*/src_c/kernels_*.o' -newer "$tmp/before-build" 2>/dev/null | sed 's|/[^/]*$||' | sort -u)
+    if [ -n "$fresh" ] && [ "$(echo "$fresh" | wc -l)" -eq 1 ]; then
+        isa_objects=(--isa-objects "$fresh")
+        say "::: sanitize: the C API program takes the per-ISA kernels the build left in $fresh"
+    else
+        say "::: sanitize: no fresh per-ISA objects of the build found (${fresh:-none}): compiling them again"
+    fi
+fi
 LD_PRELOAD= FASTATTN_ISA_KERNELS=$kernels "$py" src_c/manifest.py lib --cc "$tmp/cc" --out "$tmp/capi" --cflags="$san_cflags" \
-    --program tests/c/test_capi.c >>"$log"
+    "${isa_objects[@]}" --program tests/c/test_capi.c >>"$log"
 LD_PRELOAD= run "C API program (tests/c/test_capi.c)" "$tmp/capi/test_capi"
 
 # Belt and braces: any report anywhere (the log, or a child's ASan log file)
