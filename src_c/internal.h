@@ -45,6 +45,29 @@ static inline void fa_prefetch_l2(const void *p, int64_t bytes) {
     for (; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 2);
 }
 
+/* The same, but never dropped by the compiler: GCC 12 compiles some calls of
+ * fa_prefetch_l2 to nothing. A static function of only prefetches counts as
+ * free of side effects, and its calls can go: the row layout's P·V loops on
+ * AVX-512 had no V prefetch at all, nor the 16-bit and int8 block
+ * conversions (kv_rows), and some of the float scores tiles (objdump, stop
+ * 26). Every figure in docs/tuning.md was measured with the build as
+ * compiled; making those calls real is measured per call site (grouped
+ * decoding took 1.04-1.45x the time with them), so only the call sites that
+ * measured faster use this one. An asm statement the compiler must keep,
+ * where the target has one. */
+static inline void fa_prefetch_l2_kept(const void *p, int64_t bytes) {
+    const char *c = (const char *)p;
+    for (int64_t i = 0; i < bytes; i += 64) {
+#if defined(__x86_64__) || defined(__i386__)
+        __asm__ volatile("prefetcht1 %0" : : "m"(c[i]));
+#elif defined(__aarch64__)
+        __asm__ volatile("prfm pldl2keep, %0" : : "Q"(c[i]));
+#else
+        __builtin_prefetch(c + i, 0, 2);
+#endif
+    }
+}
+
 /* Rows a row-layout item holds at most (its per-row arrays live on the stack). */
 #define FA_ROWS_MAX 8
 

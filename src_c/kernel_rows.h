@@ -65,7 +65,8 @@ _Static_assert(FA_BK % W == 0, "rows of st hold whole vectors of scores");
 /* One row's scores (dot_scores_row) ask for the next block's K lines in a
  * burst of FA_ROW_KEYS rows before the sums, or, for storage of at least
  * FA_ROW_SPREAD_BYTES bytes an element (0: never), a line at a time inside
- * them (docs/tuning.md, "Stop 25"). */
+ * them (docs/tuning.md, "Stop 25"); with the spread, one row's P·V asks for
+ * the next block's V rows with a prefetch the compiler keeps ("Stop 26"). */
 #ifndef FA_ROW_SPREAD_BYTES
 #define FA_ROW_SPREAD_BYTES 0
 #endif
@@ -140,7 +141,13 @@ static inline __attribute__((always_inline)) void FN(values_group)(
     int64_t pf_bytes, int pf_mask, int pf_phase, int64_t nb, int g, int64_t whole_vecs, int64_t tail) {
     for (int64_t j = 0; j < nb; j++) {
         const KV *vj = v + j * v_rs;
-        if ((j & pf_mask) == pf_phase) fa_prefetch_l2(pf + j * v_rs, pf_bytes);
+        /* One row of 16- or 32-bit V on AVX-512 (FA_ROW_SPREAD): a prefetch
+         * the compiler keeps (fa_prefetch_l2_kept: GCC dropped this call).
+         * Other rows keep the call as measured, compiled away or not. */
+        if ((j & pf_mask) == pf_phase) {
+            if (FA_ROW_SPREAD && R == 1) fa_prefetch_l2_kept(pf + j * v_rs, pf_bytes);
+            else fa_prefetch_l2(pf + j * v_rs, pf_bytes);
+        }
         for (int i = 0; i < G; i++) {
             if (!whole && i >= g) break;
             const VT vv = whole || i < whole_vecs ? FN(kv_load)(vj + i * W) : FN(kv_load_part)(vj + i * W, (int)tail);
