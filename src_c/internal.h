@@ -45,16 +45,17 @@ static inline void fa_prefetch_l2(const void *p, int64_t bytes) {
     for (; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 2);
 }
 
-/* The same, but never dropped by the compiler: GCC 12 compiles some calls of
- * fa_prefetch_l2 to nothing. A static function of only prefetches counts as
- * free of side effects, and its calls can go: the row layout's P·V loops on
- * AVX-512 had no V prefetch at all, nor the 16-bit and int8 block
- * conversions (kv_rows), and some of the float scores tiles (objdump, stop
- * 26). Every figure in docs/tuning.md was measured with the build as
- * compiled; making those calls real is measured per call site (grouped
- * decoding took 1.04-1.45x the time with them), so only the call sites that
- * measured faster use this one. An asm statement the compiler must keep,
- * where the target has one. */
+/* The same, but never dropped by the compiler. GCC 12 compiles some calls of
+ * fa_prefetch_l2 to nothing (objdump, stop 26): in the row layout's P·V
+ * loops and one row's K burst on every set, in the 16-bit and int8 block
+ * conversions (kv_rows), in some of the float scores tiles. A ten-line test
+ * reproduces it at -O2: this function, inlined or not, with a constant or a
+ * variable length, leaves no prefetch; a loop of one prefetch a pass is
+ * kept. Why was not pinned down. Every figure in docs/tuning.md before stop
+ * 26 was measured with the build as compiled, so the row layout asks with
+ * this one only where asking measured faster (kernel_rows.h, FA_ROW_PF);
+ * the lane layout's calls are left as they compile. An asm statement the
+ * compiler must keep, where the target has one. */
 static inline void fa_prefetch_l2_kept(const void *p, int64_t bytes) {
     const char *c = (const char *)p;
     for (int64_t i = 0; i < bytes; i += 64) {

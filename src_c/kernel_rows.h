@@ -63,14 +63,26 @@ _Static_assert(FA_BK % W == 0, "rows of st hold whole vectors of scores");
 #define FA_ROW_SHORT_G4 0
 #endif
 /* One row's scores (dot_scores_row) ask for the next block's K lines in a
- * burst of FA_ROW_KEYS rows before the sums, or, for storage of at least
- * FA_ROW_SPREAD_BYTES bytes an element (0: never), a line at a time inside
- * them (docs/tuning.md, "Stop 25"); with the spread, one row's P·V asks for
- * the next block's V rows with a prefetch the compiler keeps ("Stop 26"). */
+ * burst of FA_ROW_KEYS rows before the sums (FA_ROW_PF below), or, for
+ * storage of at least FA_ROW_SPREAD_BYTES bytes an element (0: never), a
+ * line at a time inside them (docs/tuning.md, "Stop 25"). */
 #ifndef FA_ROW_SPREAD_BYTES
 #define FA_ROW_SPREAD_BYTES 0
 #endif
 #define FA_ROW_SPREAD (FA_ROW_SPREAD_BYTES > 0 && (int)sizeof(KV) >= FA_ROW_SPREAD_BYTES)
+/* The other block prefetches: one row's burst of K rows (where it does not
+ * spread) and P·V's V rows for items of up to FA_ROW_PF_V_ROWS rows, for
+ * storage of at least FA_ROW_PF_BYTES bytes an element (0: none). GCC 12
+ * compiled these calls to nothing until stop 26 (fa_prefetch_l2_kept in
+ * internal.h), so every set measured without them; now each set asks for
+ * them where it measured faster (docs/tuning.md, "Stop 26"). */
+#ifndef FA_ROW_PF_BYTES
+#define FA_ROW_PF_BYTES 0
+#endif
+#ifndef FA_ROW_PF_V_ROWS
+#define FA_ROW_PF_V_ROWS 0
+#endif
+#define FA_ROW_PF (FA_ROW_PF_BYTES > 0 && (int)sizeof(KV) >= FA_ROW_PF_BYTES)
 
 /* One row, keys j0 .. j0 + FA_ROW_KEYS − 1: st[j] = q · K_j. */
 static inline __attribute__((always_inline)) void FN(dot_scores_row)(
@@ -78,7 +90,7 @@ static inline __attribute__((always_inline)) void FN(dot_scores_row)(
     const int64_t full = E / W, tail = E % W;
     VT acc[FA_ROW_KEYS];
     for (int t = 0; t < FA_ROW_KEYS; t++) {
-        if (!FA_ROW_SPREAD) fa_prefetch_l2(k + (j0 + t + FA_BK) * k_rs, E * (int64_t)sizeof(KV));
+        if (!FA_ROW_SPREAD && FA_ROW_PF) fa_prefetch_l2_kept(k + (j0 + t + FA_BK) * k_rs, E * (int64_t)sizeof(KV));
         acc[t] = (VT){0};
     }
     for (int64_t u = 0; u < full; u++) {
@@ -141,13 +153,8 @@ static inline __attribute__((always_inline)) void FN(values_group)(
     int64_t pf_bytes, int pf_mask, int pf_phase, int64_t nb, int g, int64_t whole_vecs, int64_t tail) {
     for (int64_t j = 0; j < nb; j++) {
         const KV *vj = v + j * v_rs;
-        /* One row of 16- or 32-bit V on AVX-512 (FA_ROW_SPREAD): a prefetch
-         * the compiler keeps (fa_prefetch_l2_kept: GCC dropped this call).
-         * Other rows keep the call as measured, compiled away or not. */
-        if ((j & pf_mask) == pf_phase) {
-            if (FA_ROW_SPREAD && R == 1) fa_prefetch_l2_kept(pf + j * v_rs, pf_bytes);
-            else fa_prefetch_l2(pf + j * v_rs, pf_bytes);
-        }
+        if (FA_ROW_PF && R <= FA_ROW_PF_V_ROWS && (j & pf_mask) == pf_phase)
+            fa_prefetch_l2_kept(pf + j * v_rs, pf_bytes);
         for (int i = 0; i < G; i++) {
             if (!whole && i >= g) break;
             const VT vv = whole || i < whole_vecs ? FN(kv_load)(vj + i * W) : FN(kv_load_part)(vj + i * W, (int)tail);

@@ -14,7 +14,11 @@
 #define FA_BK 64
 #endif
 /* Row layout (kernel_rows.h): a whole row of E = 128 at once, for grouped
- * rows too (measured on Zen 3: docs/tuning.md). */
+ * rows too (measured on Zen 3: docs/tuning.md); the next block's K and V
+ * rows asked for in every dtype and row count (measured on Zen 4 with this
+ * set forced, "Stop 26"). */
 #define FA_ROW_GROUP 16
 #define FA_ROWS_WHOLE_MAX FA_ROWS_MAX
+#define FA_ROW_PF_BYTES 1
+#define FA_ROW_PF_V_ROWS FA_ROWS_MAX
 #include "kernel_isa.h"
