@@ -150,11 +150,10 @@ static inline __attribute__((always_inline)) void FN(dot_scores_n)(
  * one after has `tail` lanes. */
 static inline __attribute__((always_inline)) void FN(values_group)(
     const int R, const int G, const int whole, VT acc[][FA_ROW_GROUP], const T *st, const KV *v, int64_t v_rs, const KV *pf,
-    int64_t pf_bytes, int pf_mask, int pf_phase, int64_t nb, int g, int64_t whole_vecs, int64_t tail) {
+    int64_t pf_bytes, int64_t nb, int g, int64_t whole_vecs, int64_t tail) {
     for (int64_t j = 0; j < nb; j++) {
         const KV *vj = v + j * v_rs;
-        if (FA_ROW_PF && R <= FA_ROW_PF_V_ROWS && (j & pf_mask) == pf_phase)
-            fa_prefetch_l2_kept(pf + j * v_rs, pf_bytes);
+        if (FA_ROW_PF && R <= FA_ROW_PF_V_ROWS) fa_prefetch_l2_kept(pf + j * v_rs, pf_bytes);
         for (int i = 0; i < G; i++) {
             if (!whole && i >= g) break;
             const VT vv = whole || i < whole_vecs ? FN(kv_load)(vj + i * W) : FN(kv_load_part)(vj + i * W, (int)tail);
@@ -193,22 +192,19 @@ static inline __attribute__((always_inline)) void FN(dot_values_n)(
         for (int r = 0; r < R; r++)
             for (int i = 0; i < G; i++) acc[r][i] = (VT){0};
         const int64_t line = 64 / (int64_t)sizeof(KV);
-        /* The next block's rows: each cache line that starts in these G
-         * vectors, every key; or one vector at a time (G = 1, several vectors
-         * a line, and all of this line's vectors are strips), the line this
-         * vector is in, every FA_LINE_VECS-th key: the line's strips take
-         * turns, so the lines are asked for evenly, not in bursts. */
-        const int split = G == 1 && FA_LINE_VECS > 1 && (u0 / FA_LINE_VECS + 1) * FA_LINE_VECS <= nEv;
-        const int64_t e0 = split ? u0 * W / line * line : (u0 * W + line - 1) / line * line;
-        const int64_t pf_bytes = split ? 64 : ((u0 + g) * W - e0) * (int64_t)sizeof(KV);
-        const int pf_mask = split ? FA_LINE_VECS - 1 : 0, pf_phase = split ? (int)(u0 % FA_LINE_VECS) : 0;
+        /* The next block's rows (where FA_ROW_PF asks): each cache line that
+         * starts in these G vectors, every key. (A schedule for G = 1 that
+         * shared a line out over its strips was removed at stop 26: GCC had
+         * compiled its prefetch away, and no set runs G = 1 with one.) */
+        const int64_t e0 = (u0 * W + line - 1) / line * line;
+        const int64_t pf_bytes = ((u0 + g) * W - e0) * (int64_t)sizeof(KV);
         /* G whole vectors (the usual case) make the inner loop constant-length */
         if (g == G && u0 + G <= full)
-            FN(values_group)(R, G, 1, acc, st, v + u0 * W, v_rs, v + FA_BK * v_rs + e0, pf_bytes, pf_mask, pf_phase,
-                             nb, g, full - u0, tail);
+            FN(values_group)(R, G, 1, acc, st, v + u0 * W, v_rs, v + FA_BK * v_rs + e0, pf_bytes, nb, g,
+                             full - u0, tail);
         else
-            FN(values_group)(R, G, 0, acc, st, v + u0 * W, v_rs, v + FA_BK * v_rs + e0, pf_bytes, pf_mask, pf_phase,
-                             nb, g, full - u0, tail);
+            FN(values_group)(R, G, 0, acc, st, v + u0 * W, v_rs, v + FA_BK * v_rs + e0, pf_bytes, nb, g,
+                             full - u0, tail);
         for (int r = 0; r < R; r++)
             for (int i = 0; i < g; i++) {
                 VT *o = &os[r * nEv + u0 + i];
