@@ -83,6 +83,13 @@ _Static_assert(FA_BK % W == 0, "rows of st hold whole vectors of scores");
 #define FA_ROW_PF_V_ROWS 0
 #endif
 #define FA_ROW_PF (FA_ROW_PF_BYTES > 0 && (int)sizeof(KV) >= FA_ROW_PF_BYTES)
+/* Items of R rows where FA_ROWS_PF_V_NOW(R) holds ask for this block's V rows
+ * while they compute its scores, a line with each line of K (0: never). With
+ * several rows a key costs many multiply-adds, so V, asked for then, is there
+ * by P·V, which otherwise waits for it (docs/tuning.md, "Stop 27"). */
+#ifndef FA_ROWS_PF_V_NOW
+#define FA_ROWS_PF_V_NOW(R) 0
+#endif
 
 /* One row, keys j0 .. j0 + FA_ROW_KEYS − 1: st[j] = q · K_j. */
 static inline __attribute__((always_inline)) void FN(dot_scores_row)(
@@ -108,7 +115,8 @@ static inline __attribute__((always_inline)) void FN(dot_scores_row)(
 }
 
 static inline __attribute__((always_inline)) void FN(dot_scores_n)(
-    const int R, T *st, const VT *qs, int64_t nE, const KV *k, int64_t k_rs, int64_t E, int64_t nb) {
+    const int R, T *st, const VT *qs, int64_t nE, const KV *k, int64_t k_rs, int64_t E, int64_t nb,
+    const KV *v, int64_t v_rs, int64_t Ev) {
     const int64_t full = E / W, tail = E % W;
     for (int64_t j0 = 0; j0 < nb; j0 += W) {
         const int64_t nk = nb - j0 < W ? nb - j0 : W;
@@ -117,15 +125,22 @@ static inline __attribute__((always_inline)) void FN(dot_scores_n)(
         if (R == 1)
             for (; jj + FA_ROW_KEYS <= nk; jj += FA_ROW_KEYS) FN(dot_scores_row)(st, qs, k, k_rs, E, j0 + jj);
         for (; jj < nk; jj++) {
-            const KV *kj = k + (j0 + jj) * k_rs;
+            const KV *kj = k + (j0 + jj) * k_rs, *vj = v + (j0 + jj) * v_rs;
             VT acc[FA_FEW];
             for (int r = 0; r < R; r++) acc[r] = (VT){0};
             for (int64_t u = 0; u < full; u++) {
                 /* The next block's row, a line at a time: decoding streams K and V from memory once. */
-                if (u % FA_LINE_VECS == 0) __builtin_prefetch(kj + FA_BK * k_rs + u * W, 0, 2);
+                if (u % FA_LINE_VECS == 0) {
+                    __builtin_prefetch(kj + FA_BK * k_rs + u * W, 0, 2);
+                    if (FA_ROWS_PF_V_NOW(R) && u * W < Ev) __builtin_prefetch(vj + u * W, 0, 2);
+                }
                 const VT kv = FN(kv_load)(kj + u * W);
                 for (int r = 0; r < R; r++) acc[r] += qs[r * nE + u] * kv;
             }
+            if (FA_ROWS_PF_V_NOW(R)) /* V's lines past K's (tail, Ev > E) */
+                for (int64_t e = (full + FA_LINE_VECS - 1) / FA_LINE_VECS * FA_LINE_VECS * W; e < Ev;
+                     e += FA_LINE_VECS * W)
+                    __builtin_prefetch(vj + e, 0, 2);
             if (tail) {
                 if (full % FA_LINE_VECS == 0) __builtin_prefetch(kj + FA_BK * k_rs + full * W, 0, 2);
                 const VT kv = FN(kv_load_part)(kj + full * W, (int)tail);
@@ -331,7 +346,7 @@ static void FN(rows_item)(const fa_plan *p, const fa_item *it, void *scratch) {
     int folds = 0;
     for (int64_t j0 = f.j_begin; j0 < f.j_end; j0 += FA_BK) {
         const int64_t nb = f.j_end - j0 < FA_BK ? f.j_end - j0 : FA_BK;
-#define FA_CALL(R) FN(dot_scores_n)(R, st, qs, nE, k + j0 * k_rs, k_rs, E, nb)
+#define FA_CALL(R) FN(dot_scores_n)(R, st, qs, nE, k + j0 * k_rs, k_rs, E, nb, v + j0 * v_rs, v_rs, Ev)
         FA_BY_ROWS(rows, FA_CALL)
 #undef FA_CALL
 #if defined(FA_KV_I8)
