@@ -16,13 +16,14 @@
  * up to 4 rows read V a whole row at a time (4 vectors at E <= 64), 8 rows 4
  * vectors at a time; one row of 16- or 32-bit K asks for the next block a
  * line at a time, and its P·V for the next block's V rows ("Stop 26"; int8
- * and more rows measured slower with the prefetches); items of 3 rows or
- * more ask for a block's V rows with its scores ("Stop 27"). */
+ * and more rows measured slower with the prefetches); items of more than 4
+ * rows of float32, or more than 2 of 16-bit or int8 storage, ask for a
+ * block's V rows with its scores ("Stop 27"). */
 #define FA_ROWS_WHOLE_MAX 4
 #define FA_ROWS_MANY_G 4
 #define FA_ROW_SHORT_G4 1
 #define FA_ROW_SPREAD_BYTES 2
 #define FA_ROW_PF_BYTES 2
 #define FA_ROW_PF_V_ROWS 1
-#define FA_ROWS_PF_V_NOW(R) ((R) > 2)
+#define FA_ROWS_PF_V_NOW(R) ((R) > (sizeof(KV) >= 4 ? 4 : 2))
 #include "kernel_isa.h"
