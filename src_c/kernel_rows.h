@@ -87,6 +87,14 @@ _Static_assert(FA_BK % W == 0, "rows of st hold whole vectors of scores");
  * while they compute its scores, a line with each line of K (0: never). With
  * several rows a key costs many multiply-adds, so V, asked for then, is there
  * by P·V, which otherwise waits for it (docs/tuning.md, "Stop 27"). */
+/* One row computes the scores of FA_ROW_SUPER blocks at a time (at most
+ * FA_FEW: st holds FA_FEW blocks of one row), then softmax and P·V block by
+ * block as before: K and V are read in runs of FA_ROW_SUPER blocks, not in
+ * alternate blocks. The same operations in the same order: the same bits. */
+#ifndef FA_ROW_SUPER
+#define FA_ROW_SUPER 1
+#endif
+_Static_assert(FA_ROW_SUPER >= 1 && FA_ROW_SUPER <= FA_FEW, "st holds FA_FEW blocks of one row");
 #ifndef FA_ROWS_PF_V_NOW
 #define FA_ROWS_PF_V_NOW(R) 0
 #endif
@@ -346,21 +354,31 @@ static void FN(rows_item)(const fa_plan *p, const fa_item *it, void *scratch) {
     int folds = 0;
     for (int64_t j0 = f.j_begin; j0 < f.j_end; j0 += FA_BK) {
         const int64_t nb = f.j_end - j0 < FA_BK ? f.j_end - j0 : FA_BK;
+        T *sb = st; /* this block's scores */
+        if (FA_ROW_SUPER > 1 && rows == 1) {
+            const int64_t b = (j0 - f.j_begin) / FA_BK % FA_ROW_SUPER;
+            sb = st + b * FA_BK;
+            if (b == 0) { /* the scores of the next FA_ROW_SUPER blocks */
+                const int64_t ns = f.j_end - j0 < FA_ROW_SUPER * FA_BK ? f.j_end - j0 : FA_ROW_SUPER * FA_BK;
+                FN(dot_scores_n)(1, st, qs, nE, k + j0 * k_rs, k_rs, E, ns, v + j0 * v_rs, v_rs, Ev);
+            }
+        } else {
 #define FA_CALL(R) FN(dot_scores_n)(R, st, qs, nE, k + j0 * k_rs, k_rs, E, nb, v + j0 * v_rs, v_rs, Ev)
-        FA_BY_ROWS(rows, FA_CALL)
+            FA_BY_ROWS(rows, FA_CALL)
 #undef FA_CALL
+        }
 #if defined(FA_KV_I8)
         for (int64_t r = 0; r < rows; r++) /* s = (q · k8) · k_scale */
-            for (int64_t j = 0; j < nb; j++) st[r * FA_BK + j] *= ks[(j0 + j) * ks_rs];
+            for (int64_t j = 0; j < nb; j++) sb[r * FA_BK + j] *= ks[(j0 + j) * ks_rs];
 #endif
-        if (modify) FN(rows_modify)(a, st, rows, j0, nb, neg_slope, diag);
-        FN(mask_block)(st, FA_BK, 1, a, &f, lo, hi, m_row, rows, j0, nb);
-        FN(rows_softmax)(st, rows, nb, m, l, alpha);
+        if (modify) FN(rows_modify)(a, sb, rows, j0, nb, neg_slope, diag);
+        FN(mask_block)(sb, FA_BK, 1, a, &f, lo, hi, m_row, rows, j0, nb);
+        FN(rows_softmax)(sb, rows, nb, m, l, alpha);
 #if defined(FA_KV_I8)
         for (int64_t r = 0; r < rows; r++) /* p·(v8·v_scale) = (p·v_scale)·v8; l already has p */
-            for (int64_t j = 0; j < nb; j++) st[r * FA_BK + j] *= vs[(j0 + j) * vs_rs];
+            for (int64_t j = 0; j < nb; j++) sb[r * FA_BK + j] *= vs[(j0 + j) * vs_rs];
 #endif
-#define FA_VALUES(R, G) FN(dot_values_n)(R, G, os, nEv, st, v + j0 * v_rs, v_rs, Ev, nb, alpha, j0 == fresh)
+#define FA_VALUES(R, G) FN(dot_values_n)(R, G, os, nEv, sb, v + j0 * v_rs, v_rs, Ev, nb, alpha, j0 == fresh)
 #define FA_CALL(R)                                                          \
     if (R > FA_ROWS_WHOLE_MAX) FA_VALUES(R, FA_ROWS_MANY_G);                \
     else if (FA_ROW_SHORT_G4 && nEv <= 4) FA_VALUES(R, 4);                  \

@@ -18,12 +18,14 @@
  * line at a time, and its P·V for the next block's V rows ("Stop 26"; int8
  * and more rows measured slower with the prefetches); items of more than 4
  * rows of float32, or more than 2 of 16-bit or int8 storage, ask for a
- * block's V rows with its scores ("Stop 27"). */
+ * block's V rows with its scores, and one row computes the scores of 8
+ * blocks at a time ("Stop 27"). */
 #define FA_ROWS_WHOLE_MAX 4
 #define FA_ROWS_MANY_G 4
 #define FA_ROW_SHORT_G4 1
 #define FA_ROW_SPREAD_BYTES 2
 #define FA_ROW_PF_BYTES 2
 #define FA_ROW_PF_V_ROWS 1
+#define FA_ROW_SUPER 8
 #define FA_ROWS_PF_V_NOW(R) ((R) > (sizeof(KV) >= 4 ? 4 : 2))
 #include "kernel_isa.h"
