@@ -87,6 +87,9 @@ _Static_assert(FA_BK % W == 0, "rows of st hold whole vectors of scores");
  * while they compute its scores, a line with each line of K (0: never). With
  * several rows a key costs many multiply-adds, so V, asked for then, is there
  * by P·V, which otherwise waits for it (docs/tuning.md, "Stop 27"). */
+#ifndef FA_ROWS_PF_V_NOW
+#define FA_ROWS_PF_V_NOW(R) 0
+#endif
 /* One row computes the scores of FA_ROW_SUPER blocks at a time (at most
  * FA_FEW: st holds FA_FEW blocks of one row), then softmax and P·V block by
  * block as before: K and V are read in runs of FA_ROW_SUPER blocks, not in
@@ -95,9 +98,6 @@ _Static_assert(FA_BK % W == 0, "rows of st hold whole vectors of scores");
 #define FA_ROW_SUPER 1
 #endif
 _Static_assert(FA_ROW_SUPER >= 1 && FA_ROW_SUPER <= FA_FEW, "st holds FA_FEW blocks of one row");
-#ifndef FA_ROWS_PF_V_NOW
-#define FA_ROWS_PF_V_NOW(R) 0
-#endif
 
 /* One row, keys j0 .. j0 + FA_ROW_KEYS − 1: st[j] = q · K_j. */
 static inline __attribute__((always_inline)) void FN(dot_scores_row)(
