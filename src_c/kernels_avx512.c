@@ -1,7 +1,11 @@
 /* kernels_avx512.c — 512-bit vectors; compiled with -mavx512f/bw/vl/dq only.
- * 32 zmm registers: 6×4 accumulators + 4 of Qᵀ + 1 broadcast; 64 float rows an item. */
+ * 32 zmm registers: 6×4 accumulators + 4 of Qᵀ + 1 broadcast; 64 float rows an item.
+ * kernels_avx512bf16.c includes this file after naming its own set, so the
+ * two sets share every setting below (one copy, the same bits). */
+#ifndef FA_ISA
 #define FA_ISA avx512
 #define FA_ISA_NAME "avx512"
+#endif
 #define FA_VBYTES_F32 64
 #define FA_VBYTES_F64 64
 #ifndef FA_NV

@@ -2,30 +2,9 @@
  * lane-layout scores on AVX512-BF16's VDPBF16PS (kernel_dpbf16.h) for
  * bfloat16 q; compiled with the AVX-512 flags plus -mavx512bf16. Chosen
  * before avx512 where the CPU has AVX512-BF16 and not AMX (AMD Zen 4 and 5;
- * dispatch.c). Same tile sizes as kernels_avx512.c, so every other entry
- * computes the same bits as there. */
+ * dispatch.c). Every tile and row-layout setting is kernels_avx512.c's,
+ * included below, so every other entry computes the same bits as there. */
 #define FA_ISA avx512bf16
 #define FA_ISA_NAME "avx512bf16"
-#define FA_VBYTES_F32 64
-#define FA_VBYTES_F64 64
-#define FA_NV 4
-#define FA_MR 6
-#define FA_BK 64
 #define FA_DPBF16 1
-/* Row layout (kernel_rows.h), measured on Zen 4 (docs/tuning.md, "Stop 25"):
- * up to 4 rows read V a whole row at a time (4 vectors at E <= 64), 8 rows 4
- * vectors at a time; one row of 16- or 32-bit K asks for the next block a
- * line at a time, and its P·V for the next block's V rows ("Stop 26"; int8
- * and more rows measured slower with the prefetches); items of more than 4
- * rows of float32, or more than 2 of 16-bit or int8 storage, ask for a
- * block's V rows with its scores, and one row computes the scores of 8
- * blocks at a time ("Stop 27"). */
-#define FA_ROWS_WHOLE_MAX 4
-#define FA_ROWS_MANY_G 4
-#define FA_ROW_SHORT_G4 1
-#define FA_ROW_SPREAD_BYTES 2
-#define FA_ROW_PF_BYTES 2
-#define FA_ROW_PF_V_ROWS 1
-#define FA_ROW_SUPER 8
-#define FA_ROWS_PF_V_NOW(R) ((R) > (sizeof(KV) >= 4 ? 4 : 2))
-#include "kernel_isa.h"
+#include "kernels_avx512.c"
