@@ -39,7 +39,11 @@ static size_t FN(rows_scratch_bytes)(int64_t E, int64_t Ev) {
  * than the loads), so only independent keys keep the FMA units busy. Each
  * score is still the same sum in the same order: the same bits. */
 _Static_assert(FA_BK % W == 0, "rows of st hold whole vectors of scores");
+/* Keys at a time for one row (a set may choose; the AVX-512 sets take 1, each
+ * key's row read whole in turn, for the hardware prefetcher: "Stop 28"). */
+#ifndef FA_ROW_KEYS
 #define FA_ROW_KEYS 4
+#endif
 /* Vectors of K or V a 64-byte cache line holds (at least 1; a power of 2): the rows with
  * several query rows ask for the next block a line at a time (docs/tuning.md). */
 #define FA_LINE_VECS (64 / (W * (int)sizeof(KV)) > 0 ? 64 / (W * (int)sizeof(KV)) : 1)

@@ -19,18 +19,16 @@
 #endif
 /* Row layout (kernel_rows.h), measured on Zen 4 (docs/tuning.md, "Stop 25"):
  * up to 4 rows read V a whole row at a time (4 vectors at E <= 64), 8 rows 4
- * vectors at a time; one row of 16- or 32-bit K asks for the next block a
- * line at a time, and its P·V for the next block's V rows ("Stop 26"; int8
- * and more rows measured slower with the prefetches); items of more than 4
- * rows of float32, or more than 2 of 16-bit or int8 storage, ask for a
- * block's V rows with its scores, and one row computes the scores of 8
- * blocks at a time ("Stop 27"). */
+ * vectors at a time; items of more than 4 rows of float32, or more than 2 of
+ * 16-bit or int8 storage, ask for a block's V rows with its scores, and one
+ * row computes the scores of 8 blocks at a time ("Stop 27"). One row reads
+ * K one key at a time, each row whole and in order, and asks for nothing
+ * ahead: the hardware prefetcher follows that stream better than it did the
+ * software prefetches of stops 25 and 26 ("Stop 28"). */
 #define FA_ROWS_WHOLE_MAX 4
 #define FA_ROWS_MANY_G 4
 #define FA_ROW_SHORT_G4 1
-#define FA_ROW_SPREAD_BYTES 2
-#define FA_ROW_PF_BYTES 2
-#define FA_ROW_PF_V_ROWS 1
+#define FA_ROW_KEYS 1
 #define FA_ROW_SUPER 8
 #define FA_ROWS_PF_V_NOW(R) ((R) > (sizeof(KV) >= 4 ? 4 : 2))
 #include "kernel_isa.h"
