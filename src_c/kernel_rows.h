@@ -66,17 +66,11 @@ _Static_assert(FA_BK % W == 0, "rows of st hold whole vectors of scores");
 #ifndef FA_ROW_SHORT_G4
 #define FA_ROW_SHORT_G4 0
 #endif
-/* One row's scores (dot_scores_row) ask for the next block's K lines in a
- * burst of FA_ROW_KEYS rows before the sums (FA_ROW_PF below), or, for
- * storage of at least FA_ROW_SPREAD_BYTES bytes an element (0: never), a
- * line at a time inside them (docs/tuning.md, "Stop 25"). */
-#ifndef FA_ROW_SPREAD_BYTES
-#define FA_ROW_SPREAD_BYTES 0
-#endif
-#define FA_ROW_SPREAD (FA_ROW_SPREAD_BYTES > 0 && (int)sizeof(KV) >= FA_ROW_SPREAD_BYTES)
-/* The other block prefetches: one row's burst of K rows (where it does not
- * spread) and P·V's V rows for items of up to FA_ROW_PF_V_ROWS rows, for
- * storage of at least FA_ROW_PF_BYTES bytes an element (0: none). GCC 12
+/* The block prefetches: one row's scores (dot_scores_row) ask for the next
+ * block's K rows in a burst of FA_ROW_KEYS rows before the sums, and P·V for
+ * the next block's V rows for items of up to FA_ROW_PF_V_ROWS rows, for
+ * storage of at least FA_ROW_PF_BYTES bytes an element (0: none); the spread
+ * K prefetch of stops 25-27 is gone with stop 28 ("Stop 28"). GCC 12
  * compiled these calls to nothing until stop 26 (fa_prefetch_l2_kept in
  * internal.h), so every set measured without them; now each set asks for
  * them where it measured faster (docs/tuning.md, "Stop 26"). */
@@ -109,20 +103,14 @@ static inline __attribute__((always_inline)) void FN(dot_scores_row)(
     const int64_t full = E / W, tail = E % W;
     VT acc[FA_ROW_KEYS];
     for (int t = 0; t < FA_ROW_KEYS; t++) {
-        if (!FA_ROW_SPREAD && FA_ROW_PF) fa_prefetch_l2_kept(k + (j0 + t + FA_BK) * k_rs, E * (int64_t)sizeof(KV));
+        if (FA_ROW_PF) fa_prefetch_l2_kept(k + (j0 + t + FA_BK) * k_rs, E * (int64_t)sizeof(KV));
         acc[t] = (VT){0};
     }
-    for (int64_t u = 0; u < full; u++) {
-        if (FA_ROW_SPREAD && u % FA_LINE_VECS == 0)
-            for (int t = 0; t < FA_ROW_KEYS; t++) __builtin_prefetch(k + (j0 + t + FA_BK) * k_rs + u * W, 0, 2);
+    for (int64_t u = 0; u < full; u++)
         for (int t = 0; t < FA_ROW_KEYS; t++) acc[t] += qs[u] * FN(kv_load)(k + (j0 + t) * k_rs + u * W);
-    }
-    if (tail) {
-        if (FA_ROW_SPREAD && full % FA_LINE_VECS == 0)
-            for (int t = 0; t < FA_ROW_KEYS; t++) __builtin_prefetch(k + (j0 + t + FA_BK) * k_rs + full * W, 0, 2);
+    if (tail)
         for (int t = 0; t < FA_ROW_KEYS; t++)
             acc[t] += qs[full] * FN(kv_load_part)(k + (j0 + t) * k_rs + full * W, (int)tail);
-    }
     for (int t = 0; t < FA_ROW_KEYS; t++) st[j0 + t] = FN(v_hsum)(acc[t]);
 }
 
