@@ -205,12 +205,13 @@ def build_lib(cc="cc", out=OUT, extra=(), target=None, program=None, isa_objects
     so a cross compiler gets its own kernels), printing each command; with
     program, also link out/<its name> against it. Returns the library's path.
 
-    isa_objects: a folder that already holds the per-ISA kernels' objects
-    (kernels_<name>.o, as setup.py's build leaves them in build/temp.*/src_c),
-    archived as they are instead of compiled again. For tools/sanitize.sh:
-    under ASan each per-ISA kernel takes minutes to compile, and the
-    extension's build has just compiled them with the same compiler, macros
-    and sanitizers. The other sources are still compiled here (seconds)."""
+    isa_objects: a folder that already holds the kernels' objects (every
+    kernels_<name>.o: the per-ISA ones and the portable scalar and 128-bit
+    sets, as setup.py's build leaves them in build/temp.*/src_c), archived as
+    they are instead of compiled again. For tools/sanitize.sh, where each
+    kernel takes minutes to compile under ASan, and for CI's suite (tests/
+    conftest.py): the extension's build has just compiled them with the same
+    compiler and macros. The other sources are still compiled here (seconds)."""
     target = target or _ask(cc, "-dumpmachine")
     accepts = compiler_accepts(cc)
     os.makedirs(out, exist_ok=True)
@@ -230,11 +231,11 @@ def build_lib(cc="cc", out=OUT, extra=(), target=None, program=None, isa_objects
     # per-ISA kernels take most of the time and build independently.
     commands, objects = [], []
     for path, own in steps(target, accepts):
-        if own and isa_objects is not None:
+        if isa_objects is not None and os.path.basename(path).startswith("kernels_"):
             objects.append(_object(isa_objects, path))
             if not os.path.isfile(objects[-1]):
                 raise FileNotFoundError(f"--isa-objects {isa_objects}: no {os.path.basename(objects[-1])} "
-                                        f"there; it needs one for every per-ISA kernel built ({path})")
+                                        f"there; it needs one for every kernel built ({path})")
         else:
             commands.append([cc, *cflags(target, extra, accepts), *own, "-c", path, "-o", _object(out, path)])
             objects.append(commands[-1][-1])
@@ -259,7 +260,7 @@ def main(argv=None):
     lib.add_argument("--cflags", default="", help="added after the manifest's flags (later ones win)")
     lib.add_argument("--program", metavar="FILE.c", help="also link DIR/FILE against the library")
     lib.add_argument("--isa-objects", metavar="OBJDIR",
-                     help="archive the per-ISA kernels' objects found in OBJDIR instead of compiling them")
+                     help="archive the kernels' objects (kernels_*.o) found in OBJDIR instead of compiling them")
     line = sub.add_parser("cc-line", help="print one shell line that builds FILE.c with the sources")
     line.add_argument("programs", nargs="*", default=["your.c"], metavar="FILE.c")
     line.add_argument("-o", dest="exe", default=None)

@@ -63,6 +63,30 @@ def isa(request):
     fastattn.set_isa(None)
 
 
+def _isa_objects_of_the_build():
+    """["--isa-objects", DIR] where FASTATTN_TEST_ISA_OBJECTS=build asks for
+    them, else []. .ci/run sets it: in its fresh clone, pip has just built the
+    installed extension in the tree, and its kernels' objects (build/temp.*/
+    src_c/kernels_*.o, compiled by setup.py from src_c/manifest.py's steps with
+    the same compiler, flags and macros as the library build) are archived as
+    they are instead of compiled a second time, which took about 100 s of both
+    cores of CI's main stage (stop 29). The other sources are still compiled
+    by the READMEs' command. Each object must be newer than every source
+    file, or the run stops."""
+    if os.environ.get("FASTATTN_TEST_ISA_OBJECTS", "") != "build":
+        return []
+    found = sorted({p.parent for p in REPO.glob("build/temp.*/src_c/kernels_*.o")})
+    if len(found) != 1:
+        raise pytest.UsageError(f"FASTATTN_TEST_ISA_OBJECTS=build: needs one folder of kernel "
+                                f"objects under {REPO / 'build'}, found {[str(d) for d in found] or 'none'}")
+    newest_source = max(f.stat().st_mtime for f in (REPO / "src_c").iterdir() if f.suffix in (".c", ".h"))
+    stale = [o.name for o in found[0].glob("kernels_*.o") if o.stat().st_mtime < newest_source]
+    if stale:
+        raise pytest.UsageError(f"FASTATTN_TEST_ISA_OBJECTS=build: {stale} in {found[0]} are older than "
+                                "a source in src_c: a stale build")
+    return ["--isa-objects", str(found[0])]
+
+
 @pytest.fixture(scope="session")
 def c_library(tmp_path_factory):
     """The folder holding libfastattn.a and examples/c/decode.c's program, built
@@ -73,7 +97,7 @@ def c_library(tmp_path_factory):
     if shutil.which(os.environ.get("CC", "cc")) is None:
         pytest.skip("no C compiler `cc` on PATH")
     out = tmp_path_factory.mktemp("c_library")
-    cmd = [sys.executable, *shlex.split(C_BUILD)[1:], "--out", str(out)]
+    cmd = [sys.executable, *shlex.split(C_BUILD)[1:], "--out", str(out), *_isa_objects_of_the_build()]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, f"{shlex.join(cmd)} failed:\n{r.stdout}\n{r.stderr}"
     (out / "build.log").write_text(r.stdout)   # each command it ran, one a line

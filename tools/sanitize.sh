@@ -134,17 +134,29 @@ t0=$(date +%s)
 # tests/test_c_api.py and the C example build programs with the system compiler
 # (not instrumented); the C API program is built with the sanitizers below.
 #
-# Two pytest processes at once, each on half of the files (split by size,
-# largest first, onto the lighter half): most tests are small calls where
-# Python, not the kernel's two threads, keeps a core busy.
+# Two pytest processes at once, each on half of the files: most tests are
+# small calls where Python, not the kernel's two threads, keeps a core busy.
+# The files are dealt heaviest first onto the lighter half, weighed by the
+# seconds each took here (stop 29, Zen 4, `--durations=0`, the halves at
+# once); a file not listed weighs 5. Split by file size before, the halves
+# took 164 and 277 s.
 harness_only=" test_c_api.py test_reference.py test_dtypes_reference.py test_benchmarks.py test_cli.py test_examples.py "
+seconds_under_asan() {
+    case $1 in
+    test_reliability.py) echo 85 ;; test_dtypes.py) echo 67 ;; test_modifiers.py) echo 57 ;;
+    test_long_context.py) echo 50 ;; test_strategy.py) echo 48 ;; test_attention.py) echo 21 ;;
+    test_invariance.py) echo 19 ;; test_decode.py) echo 16 ;; test_threads.py) echo 13 ;;
+    test_properties.py) echo 7 ;; test_fuzz.py) echo 6 ;;
+    *) echo 5 ;;
+    esac
+}
 half_a=() half_b=()
-size_a=0 size_b=0
-for f in $(cd tests && ls -S test_*.py); do
+load_a=0 load_b=0
+for f in $(cd tests && for f in test_*.py; do echo "$(seconds_under_asan "$f") $f"; done | sort -k1,1nr -k2 | cut -d' ' -f2); do
     case "$harness_only" in *" $f "*) continue ;; esac
-    size=$(wc -c <"tests/$f")
-    if [ "$size_a" -le "$size_b" ]; then half_a+=("tests/$f"); size_a=$((size_a + size))
-    else half_b+=("tests/$f"); size_b=$((size_b + size)); fi
+    s=$(seconds_under_asan "$f")
+    if [ "$load_a" -le "$load_b" ]; then half_a+=("tests/$f"); load_a=$((load_a + s))
+    else half_b+=("tests/$f"); load_b=$((load_b + s)); fi
 done
 pytest_half() {  # pytest_half LOG FILES...: one half, its output to LOG
     local out=$1
@@ -171,20 +183,19 @@ ASAN_OPTIONS=$asan_common:quarantine_size_mb=0 run "pytest $LEAK_TEST (quarantin
 
 # The C API program, instrumented the same way (no preload: it links the
 # runtime), linked against the library that src_c/manifest.py builds. Its
-# per-ISA kernels are the objects the extension's build above just compiled
-# with the same wrapper, flags and kernels (pip builds in the tree, into
-# build/temp.*/src_c): compiling them again took 430 s of CI's 1159 s
-# sanitizer stage at stop 25 (three kernels on Zen 4). Where no fresh objects
-# are found (pip built elsewhere), the manifest compiles them.
+# kernels (the per-ISA ones and, since stop 29, the scalar and 128-bit sets)
+# are the objects the extension's build above just compiled with the same
+# wrapper, flags and kernels (pip builds in the tree, into
+# build/temp.*/src_c): compiling the per-ISA ones again took 430 s of CI's
+# 1159 s sanitizer stage at stop 25 (three kernels on Zen 4). Where no fresh
+# objects are found (pip built elsewhere), the manifest compiles them.
 isa_objects=()
-if [ -n "$kernels" ]; then
-    fresh=$(find build -path '*/src_c/kernels_*.o' -newer "$tmp/before-build" 2>/dev/null | sed 's|/[^/]*$||' | sort -u)
-    if [ -n "$fresh" ] && [ "$(echo "$fresh" | wc -l)" -eq 1 ]; then
-        isa_objects=(--isa-objects "$fresh")
-        say "::: sanitize: the C API program takes the per-ISA kernels the build left in $fresh"
-    else
-        say "::: sanitize: no fresh per-ISA objects of the build found (${fresh:-none}): compiling them again"
-    fi
+fresh=$(find build -path '*/src_c/kernels_*.o' -newer "$tmp/before-build" 2>/dev/null | sed 's|/[^/]*$||' | sort -u)
+if [ -n "$fresh" ] && [ "$(echo "$fresh" | wc -l)" -eq 1 ]; then
+    isa_objects=(--isa-objects "$fresh")
+    say "::: sanitize: the C API program takes the kernels the build left in $fresh"
+else
+    say "::: sanitize: no fresh kernel objects of the build found (${fresh:-none}): compiling them again"
 fi
 LD_PRELOAD= FASTATTN_ISA_KERNELS=$kernels "$py" src_c/manifest.py lib --cc "$tmp/cc" --out "$tmp/capi" --cflags="$san_cflags" \
     "${isa_objects[@]}" --program tests/c/test_capi.c >>"$log"
