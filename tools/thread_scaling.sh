@@ -26,12 +26,11 @@ for n in 2 4 8 16 32 64 128; do
     [ "$n" -le "$cores" ] && threads="$threads,$n"
 done
 [ "${threads##*,}" = "$cores" ] || threads="$threads,$cores"
-peers=$("$py" - <<'EOF'
-import importlib.util
-found = [p for p in ("torch", "onnxruntime", "openvino") if importlib.util.find_spec(p)]
-print(",".join(found + ["ort_gqa"] * ("onnxruntime" in found)))
-EOF
-)
+# the bench's own default peers (those installed), less textbook NumPy
+peers=$("$py" -P -c 'from fastattn.bench import peers
+print(",".join(n for n in peers.default_peers() if n != "numpy"))')
+few_threads=1
+[ "$cores" -gt 1 ] && few_threads="1,$cores"
 
 step() {  # step NAME SECONDS CMD...: run CMD under a time limit, log to OUTDIR/NAME.log
     local name=$1 limit=$2 t0 rc
@@ -54,11 +53,12 @@ step tests 60 "$py" -P -m pytest -q -p no:cacheprovider -x \
     tests/test_threads.py tests/test_invariance.py tests/test_amx.py tests/test_dpbf16.py
 
 bench=("$py" -P -m fastattn bench --repeat 10 --min-time 0.3)
-[ -n "$peers" ] && bench+=(--peers "$peers")
-step bench_float32 300 "${bench[@]}" --threads "$threads" --json "$out/bench_float32.json" \
-    --shapes enc1024,long,d128,causal2048,dec4k,dec8k_gqa,dec32k_mqa
-step bench_bfloat16 100 "${bench[@]}" --threads "1,$cores" --dtype float32,bfloat16 \
-    --json "$out/bench_bfloat16.json" --shapes enc1024,causal2048,dec8k_gqa
+with_peers=()
+[ -n "$peers" ] && with_peers=(--peers "$peers")
+step bench_float32 300 "${bench[@]}" "${with_peers[@]}" --threads "$threads" \
+    --json "$out/bench_float32.json" --shapes enc1024,long,d128,causal2048,dec4k,dec8k_gqa,dec32k_mqa
+step bench_bfloat16 100 "${bench[@]}" "${with_peers[@]}" --threads "$few_threads" \
+    --dtype float32,bfloat16 --json "$out/bench_bfloat16.json" --shapes enc1024,causal2048,dec8k_gqa
 step bench_avx2 80 env -u OPENBLAS_L2_SIZE FASTATTN_ISA=avx2 OPENBLAS_CORETYPE=Haswell \
-    "$py" -P -m fastattn bench --repeat 10 --min-time 0.3 --peers numpy --threads "1,$cores" \
+    "${bench[@]}" --peers numpy --threads "$few_threads" \
     --json "$out/bench_avx2.json" --shapes d128,causal2048,dec4k,dec32k_mqa
