@@ -1,7 +1,8 @@
 /* kernels_avx512.c — 512-bit vectors; compiled with -mavx512f/bw/vl/dq only.
  * 32 zmm registers: 6×4 accumulators + 4 of Qᵀ + 1 broadcast; 64 float rows an item.
- * kernels_avx512bf16.c includes this file after naming its own set, so the
- * two sets share every setting below (one copy, the same bits). */
+ * kernels_avx512bf16.c and kernels_amx.c include this file after naming their
+ * own set, so the three sets share every setting below (one copy, the same
+ * bits). */
 #ifndef FA_ISA
 #define FA_ISA avx512
 #define FA_ISA_NAME "avx512"
