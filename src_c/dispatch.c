@@ -32,6 +32,7 @@ static const fa_isa_table *const fa_all_isas[] = {
 
 /* AMX-BF16 and AMX-TILE in CPUID (leaf 7, EDX bits 22 and 24). Only looked
  * for on Linux, the one OS here that says how to ask for the tile state. */
+#if defined(__x86_64__) || defined(__i386__)
 static int amx_in_cpu(void) {
 #if defined(FA_HAVE_AMX) && defined(__linux__)
     unsigned a, b, c, d;
@@ -40,13 +41,15 @@ static int amx_in_cpu(void) {
     return 0;
 #endif
 }
+#endif
 
 /* The CPU has AMX and Linux lets this process use the tile state: a process
  * must ask (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, feature 18) before
  * its first tile instruction, which would otherwise fault. The permission
  * holds for every thread of the process. Asked once. */
+#if defined(FA_HAVE_AMX)
 static int amx_granted(void) {
-#if defined(FA_HAVE_AMX) && defined(__linux__)
+#if defined(__linux__)
     static int state; /* 0: not asked yet, 1: granted, 2: refused */
     int s = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
     if (s) return s == 1;
@@ -57,23 +60,32 @@ static int amx_granted(void) {
     return 0;
 #endif
 }
+#endif
+
+#if (defined(__x86_64__) || defined(__i386__)) && \
+    (defined(FA_HAVE_AVX512) || defined(FA_HAVE_AVX512BF16) || defined(FA_HAVE_AMX))
+/* What the avx512 set needs, and every set built on its code. Asked of the
+ * CPU, not of the avx512 set's table: a checking build (tools/sanitize.sh)
+ * may leave that set out and keep amx or avx512bf16. */
+static int avx512_in_cpu(void) {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("f16c");
+}
+#endif
 
 static int cpu_runs(const fa_isa_table *k) {
 #if defined(__x86_64__) || defined(__i386__)
     /* __builtin_cpu_supports also checks that the OS saves the wide registers. */
     __builtin_cpu_init();
 #if defined(FA_HAVE_AMX)
-    if (k == &fa_isa_amx)
-        return cpu_runs(&fa_isa_avx512) && __builtin_cpu_supports("avx512bf16") && amx_granted();
+    if (k == &fa_isa_amx) return avx512_in_cpu() && __builtin_cpu_supports("avx512bf16") && amx_granted();
 #endif
 #if defined(FA_HAVE_AVX512BF16)
-    if (k == &fa_isa_avx512bf16) return cpu_runs(&fa_isa_avx512) && __builtin_cpu_supports("avx512bf16");
+    if (k == &fa_isa_avx512bf16) return avx512_in_cpu() && __builtin_cpu_supports("avx512bf16");
 #endif
 #if defined(FA_HAVE_AVX512)
-    if (k == &fa_isa_avx512)
-        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-               __builtin_cpu_supports("f16c");
+    if (k == &fa_isa_avx512) return avx512_in_cpu();
 #endif
 #if defined(FA_HAVE_AVX2)
     if (k == &fa_isa_avx2)  /* F16C converts float16 K and V; every AVX2 CPU has it */

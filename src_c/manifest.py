@@ -9,7 +9,7 @@ loaded by file path. Paths are relative to the repository root: run it there.
     python3 src_c/manifest.py lib [--cc CC] [--out DIR] [--cflags FLAGS] [--program FILE.c] [--isa-objects DIR]
     python3 src_c/manifest.py cc-line [--target x86_64|aarch64] [--cc CC] [FILE.c ...] [-o EXE]
     python3 src_c/manifest.py flags | sources [--target x86_64|aarch64]
-    python3 src_c/manifest.py kernels [--runnable]
+    python3 src_c/manifest.py kernels [--runnable [--checking]]
 """
 import argparse
 import concurrent.futures
@@ -144,6 +144,21 @@ def runnable_kernels(cpuinfo="/proc/cpuinfo"):
     return [kernel_name(f) for f, _, _ in ISA_X86_64 if RUNS_ON[f] <= set(flags)]
 
 
+# The sets that are kernels_avx512.c's code plus one bfloat16 entry
+# (kernels_avx512bf16.c and kernels_amx.c include it), best first.
+AVX512_FAMILY = ["amx", "avx512bf16", "avx512"]
+
+
+def checking_kernels(runnable):
+    """What a checking build of one machine (tools/sanitize.sh) compiles of
+    the runnable kernels: avx2 and the best of the AVX-512 family only. The
+    family shares one copy of every setting, so the best set runs avx512's
+    code for every entry but its own; each AVX-512 file took minutes under
+    ASan (about 140 s of CPU for kernels_avx512.c on Zen 4, stop 30)."""
+    family = [n for n in AVX512_FAMILY if n in runnable]
+    return [n for n in runnable if n not in AVX512_FAMILY or n == family[0]]
+
+
 def compiler_accepts(cc):
     """accepts= for isa_kernels: whether cc compiles a C file with these flags
     (asked once per flag list)."""
@@ -267,6 +282,8 @@ def main(argv=None):
     line.add_argument("--cc", default="cc")
     kern = sub.add_parser("kernels", help="print the per-ISA kernels' names, comma-separated")
     kern.add_argument("--runnable", action="store_true", help="only those this CPU can run (/proc/cpuinfo)")
+    kern.add_argument("--checking", action="store_true",
+                      help="with --runnable: of the AVX-512 sets only the best (a sanitizer build's kernels)")
     for name in ("flags", "sources"):
         sub.add_parser(name, help=f"print the {name} for the target")
     for s in sub.choices.values():
@@ -278,7 +295,8 @@ def main(argv=None):
     elif a.command == "cc-line":
         print(cc_line(target, a.cc, a.programs, a.exe or os.path.splitext(a.programs[0])[0]))
     elif a.command == "kernels":
-        print(",".join(runnable_kernels() if a.runnable else [kernel_name(f) for f, _, _ in ISA_X86_64]))
+        names = runnable_kernels() if a.runnable else [kernel_name(f) for f, _, _ in ISA_X86_64]
+        print(",".join(checking_kernels(names) if a.checking else names))
     elif a.command == "sources":
         print("\n".join(path for path, _ in steps(target)))
     else:

@@ -276,6 +276,11 @@ def test_runnable_kernels_read_the_cpu_flags_as_the_dispatch_does(tmp_path):
     info.write_text("flags\t: sse2 avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_bf16\n")
     assert MANIFEST.runnable_kernels(str(info)) == ["avx2", "avx512", "avx512bf16"]
     assert MANIFEST.runnable_kernels(str(tmp_path / "missing")) == ["avx2", "avx512", "avx512bf16", "amx"]
+    # tools/sanitize.sh's build: avx2 and the best of the AVX-512 family
+    assert MANIFEST.checking_kernels(["avx2", "avx512", "avx512bf16", "amx"]) == ["avx2", "amx"]
+    assert MANIFEST.checking_kernels(["avx2", "avx512", "avx512bf16"]) == ["avx2", "avx512bf16"]
+    assert MANIFEST.checking_kernels(["avx2", "avx512"]) == ["avx2", "avx512"]
+    assert MANIFEST.checking_kernels(["avx2"]) == ["avx2"] and MANIFEST.checking_kernels([]) == []
     if not (platform.machine() == "x86_64" and os.path.exists("/proc/cpuinfo")):
         return
     names = {MANIFEST.kernel_name(f) for f in MANIFEST.RUNS_ON}

@@ -84,11 +84,15 @@ san_cflags="-fno-sanitize-recover=undefined -fno-wrapv -fno-omit-frame-pointer -
 # whose path holds a '-' and would install the plain build of the main stage
 # again (the check below caught that in CI at stop 16).
 # Only the per-ISA kernels this CPU can run (FASTATTN_ISA_KERNELS, read by
-# src_c/manifest.py for setup.py and the C API program's library): the others
-# would be compiled under the sanitizers for nothing, and the three AVX-512
-# ones are about 60 % of the compile time. Set FASTATTN_ISA_KERNELS to override.
-# Given to the two builds only, not to pytest.
-kernels=${FASTATTN_ISA_KERNELS-$(python3 src_c/manifest.py kernels --runnable)}
+# src_c/manifest.py for setup.py and the C API program's library), and of
+# the AVX-512 family (amx, avx512bf16, avx512) only the best: the others
+# would be compiled under the sanitizers for nothing, and each AVX-512 file
+# takes minutes there. The family shares one copy of every setting
+# (kernels_amx.c and kernels_avx512bf16.c include kernels_avx512.c), so the
+# best set runs avx512's code for every entry but its own bfloat16 one, and
+# the tests' isa fixture runs it in avx512's place. Set FASTATTN_ISA_KERNELS
+# to override. Given to the two builds only, not to pytest.
+kernels=${FASTATTN_ISA_KERNELS-$(python3 src_c/manifest.py kernels --runnable --checking)}
 say "::: sanitize: build ($base_cc -fsanitize=address,undefined $opt; per-ISA kernels: ${kernels:-none})"
 "$py" -m pip install -q "setuptools>=77" "cython>=3" "numpy>=2"
 touch "$tmp/before-build"
@@ -161,10 +165,7 @@ done
 pytest_half() {  # pytest_half LOG FILES...: one half, its output to LOG
     local out=$1
     shift
-    # The amx and avx512bf16 sets are avx512's code but for their bfloat16
-    # lane items, which tests/test_amx.py, tests/test_dpbf16.py and the C API
-    # program run: the isa fixture skips them.
-    FASTATTN_TEST_SKIP_ISAS=amx,avx512bf16 "$venv/bin/pytest" -q --capture=sys -p no:cacheprovider -k "not $LEAK_TEST and not c_decode_example" \
+    "$venv/bin/pytest" -q --capture=sys -p no:cacheprovider -k "not $LEAK_TEST and not c_decode_example" \
         "$@" >"$out" 2>&1
 }
 both_halves() {
