@@ -276,7 +276,8 @@ static inline __attribute__((always_inline)) VT FN(amx_exp_pairs)(const int natu
 /* The lane layout's online softmax (softmax_block) on scores st · scale,
  * writing the probabilities straight into pv_hi, pv_lo as key pairs (rows
  * past nb 0, up to a multiple of 32) instead of back into st:
- *     m' = max(m, scale · max_j st_j)    alpha = 2^((m − m')·log2 e)
+ *     c = scale · max_j st_j,  m' = c if c > m + FA_AMX_LAG else m,
+ *     alpha = 2^((m − m')·log2 e)
  *     p_j = 2^((scale · st_j − m')·log2 e),   l' = l·alpha + Σ_j p_j
  * (scale > 0 commutes with the max, rounding included). The exponent is one
  * FMA on raw scores, s·c − d with c = scale·log2 e, d = m'·log2 e: the
@@ -291,6 +292,13 @@ static inline __attribute__((always_inline)) VT FN(amx_exp_pairs)(const int natu
  * so |p − hi − lo| ≤ 2^-17·p. The hi words, read as floats, give back
  * hi itself: the high half of a word is hi(p_2i+1), the low half shifted up
  * hi(p_2i). */
+/* How far (natural units) a block's max may pass the reference m before m
+ * moves: p = e^(s − m) is then at most e^8 ≈ 2981, far inside float32 and
+ * exp2's range (x ≤ 127), and hi + lo keep the same relative precision at
+ * any magnitude. Σ p·v / Σ p is the same quotient whatever m (the factor
+ * e^(max − m) cancels), and lse = m + ln l. */
+#define FA_AMX_LAG 8
+
 static void FN(amx_softmax)(const FN(amx_bufs) *x, int nvc, const VT *st, int64_t nb, VT *m, VT *l,
                             VT *alpha, T scale) {
     const VT neg_inf = FN(v_splat)(-(T)INFINITY), sc = FN(v_splat)(scale);
@@ -301,7 +309,11 @@ static void FN(amx_softmax)(const FN(amx_bufs) *x, int nvc, const VT *st, int64_
         for (; j + 4 <= nb; j += 4)
             for (int i = 0; i < 4; i++) m4[i] = FN(v_max)(m4[i], st[(j + i) * FA_NV + u]);
         for (; j < nb; j++) m4[0] = FN(v_max)(m4[0], st[j * FA_NV + u]);
-        const VT m_new = FN(v_max)(m[u], FN(v_max)(FN(v_max)(m4[0], m4[1]), FN(v_max)(m4[2], m4[3])) * sc);
+        const VT cand = FN(v_max)(FN(v_max)(m4[0], m4[1]), FN(v_max)(m4[2], m4[3])) * sc;
+        /* Lazy reference: m moves only where the block's max passes it by
+         * more than FA_AMX_LAG (and from −inf), so most blocks keep alpha = 1
+         * in every lane and amx_values skips rescaling Oᵀ. p ≤ e^FA_AMX_LAG. */
+        const VT m_new = FN(v_select)((VU)(cand > m[u] + FN(v_splat)(FA_AMX_LAG)), cand, m[u]);
         const VT m_sub = FN(v_select)((VU)(m_new == neg_inf), FN(v_splat)(0), m_new);
         uint16_t *hi_u = x->pv_hi + u * FA_BK / 2 * 32, *lo_u = x->pv_lo + u * FA_BK / 2 * 32;
         const VT sum = scale == 1 ? FN(amx_exp_pairs)(1, st, u, nb, sc, m_sub, m_sub, hi_u, lo_u)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import fastattn
-from fastattn import _api
+from fastattn import _api, reference
 
 pytest.importorskip("ml_dtypes")
 from _bf16_sets import BF16, F32, OPTIONS, case as _case, check as _check, seeded as _rng, with_isa as _with  # noqa: E402
@@ -91,3 +91,34 @@ def test_amx_rows_with_no_visible_key():
     sinks = np.array([0.5, -1.0])
     out, lse = _with("amx", lambda: fastattn.attention(q, k, v, mask=mask, sinks=sinks, return_lse=True))
     assert np.all(out[:, :, 5].astype(F32) == 0) and np.allclose(lse[0, :, 5], sinks)
+
+
+@pytest.mark.parametrize("natural", [False, True], ids=["raw_scores", "additive_mask"])
+def test_amx_reference_max_that_lags_and_moves(amx, natural):
+    """The tile softmax moves a lane's reference maximum m only when a block's
+    scores pass it by more than 8 (natural units), so p = e^(s − m) reaches
+    e^8 and alpha stays 1 between moves (kernel_amx.h, FA_AMX_LAG). Scores
+    built to rise by 6 a key block (m lags, then moves every other block),
+    with a jump of 30 at block 5 and a different slope per query row (lanes
+    move at different blocks), against the reference: the output and the
+    lse, which shows a wrong rescale of l at float32 precision. With a zero
+    additive mask the scores are scaled before the softmax (its natural
+    branch)."""
+    rng = _rng("lagging max", natural)
+    L, S, E = 40, 1000, 64
+    scale = E ** -0.5
+    q = np.zeros((1, 2, L, E), F32)
+    q[..., 0] = (1 + np.arange(L) / L) * 4           # row i's scores scale by 1 + i/L
+    q[..., 1:] = rng.standard_normal((1, 2, L, E - 1)) * 0.1
+    block = np.arange(S) // 64
+    target = 6.0 * block + 30.0 * (block >= 5) + rng.standard_normal(S)
+    k = rng.standard_normal((1, 2, S, E)).astype(F32) * 0.1
+    k[..., 0] = target / (4 * scale)
+    q, k = q.astype(BF16), k.astype(BF16)
+    v = rng.standard_normal((1, 2, S, E)).astype(BF16)
+    kw = dict(mask=np.zeros((1, 1, L, S), F32)) if natural else {}
+    got, lse = fastattn.attention(q, k, v, return_lse=True, **kw)
+    _check(got, q, k, v, **kw)
+    _, want_lse = reference.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
+                                      return_lse=True, **kw)
+    assert np.max(np.abs(lse - want_lse) / np.abs(want_lse)) < 1e-5
