@@ -273,6 +273,13 @@ static inline __attribute__((always_inline)) VT FN(amx_exp_pairs)(const int natu
     return sum0 + sum1;
 }
 
+/* How far (natural units) a block's max may pass the reference m before m
+ * moves: p = e^(s − m) is then at most e^8 ≈ 2981, far inside float32 and
+ * exp2's range (x ≤ 127), and hi + lo keep the same relative precision at
+ * any magnitude. Σ p·v / Σ p is the same quotient whatever m (the factor
+ * e^(max − m) cancels), and lse = m + ln l. */
+#define FA_AMX_LAG 8
+
 /* The lane layout's online softmax (softmax_block) on scores st · scale,
  * writing the probabilities straight into pv_hi, pv_lo as key pairs (rows
  * past nb 0, up to a multiple of 32) instead of back into st:
@@ -292,13 +299,6 @@ static inline __attribute__((always_inline)) VT FN(amx_exp_pairs)(const int natu
  * so |p − hi − lo| ≤ 2^-17·p. The hi words, read as floats, give back
  * hi itself: the high half of a word is hi(p_2i+1), the low half shifted up
  * hi(p_2i). */
-/* How far (natural units) a block's max may pass the reference m before m
- * moves: p = e^(s − m) is then at most e^8 ≈ 2981, far inside float32 and
- * exp2's range (x ≤ 127), and hi + lo keep the same relative precision at
- * any magnitude. Σ p·v / Σ p is the same quotient whatever m (the factor
- * e^(max − m) cancels), and lse = m + ln l. */
-#define FA_AMX_LAG 8
-
 static void FN(amx_softmax)(const FN(amx_bufs) *x, int nvc, const VT *st, int64_t nb, VT *m, VT *l,
                             VT *alpha, T scale) {
     const VT neg_inf = FN(v_splat)(-(T)INFINITY), sc = FN(v_splat)(scale);
