@@ -5,7 +5,7 @@
  * row-layout setting is kernels_avx512.c's, included below, so every other
  * entry computes the same bits as there, and decodes as fast: until stop 31
  * this file named the tile sizes only, and its row layout ran the generic
- * defaults, 1.4-1.7x slower on grouped-query decoding (docs/tuning.md,
+ * defaults, 1.4-1.9x slower on grouped-query decoding (docs/tuning.md,
  * "Stop 31"). */
 #define FA_ISA amx
 #define FA_ISA_NAME "amx"

@@ -46,17 +46,7 @@ def pytest_report_header(config):
             f"max_threads {i['max_threads']}")
 
 
-def _fixture_isas():
-    """Every micro-kernel set this CPU supports, less those FASTATTN_TEST_SKIP_ISAS
-    names (comma-separated), for a quicker run on a machine with many sets:
-    amx and avx512bf16 are avx512's code again but for one bfloat16 entry,
-    which tests/test_amx.py and tests/test_dpbf16.py run whatever this says.
-    (tools/sanitize.sh builds only the best of those three instead.)"""
-    skip = set(os.environ.get("FASTATTN_TEST_SKIP_ISAS", "").split(","))
-    return [name for name in fastattn.available_isas() if name not in skip]
-
-
-@pytest.fixture(params=_fixture_isas())
+@pytest.fixture(params=fastattn.available_isas())
 def isa(request):
     """Runs a test once per micro-kernel set this CPU supports, then restores auto."""
     fastattn.set_isa(request.param)

@@ -16,7 +16,8 @@ import fastattn
 from fastattn import _api, reference
 
 pytest.importorskip("ml_dtypes")
-from _bf16_sets import BF16, F32, OPTIONS, case as _case, check as _check, seeded as _rng, with_isa as _with  # noqa: E402
+from _bf16_sets import (BF16, F32, OPTIONS, case as _case, check as _check, needs_avx512,  # noqa: E402
+                        seeded as _rng, with_isa as _with)
 
 pytestmark = pytest.mark.skipif("amx" not in fastattn.available_isas(),
                                 reason="this CPU (or OS) offers no AMX-BF16")
@@ -53,8 +54,7 @@ def test_amx_is_bitwise_the_same_across_thread_counts(amx):
         assert np.array_equal(got.view(np.uint16), base.view(np.uint16)) and np.array_equal(lse, base_lse), n
 
 
-@pytest.mark.skipif("avx512" not in fastattn.available_isas(),
-                    reason="built without the avx512 set to compare with (tools/sanitize.sh builds one AVX-512 set)")
+@needs_avx512
 def test_amx_takes_the_tiles_only_for_its_entry():
     """The tiles compute other bits than the float code: a bfloat16 call of
     the right shape differs from avx512's somewhere (lse, float32, shows it);

@@ -16,7 +16,7 @@ import fastattn
 from fastattn import _api, reference
 
 pytest.importorskip("ml_dtypes")
-from _bf16_sets import BF16, F32, F64, OPTIONS, case, check, seeded, with_isa  # noqa: E402
+from _bf16_sets import BF16, F32, F64, OPTIONS, case, check, needs_avx512, seeded, with_isa  # noqa: E402
 
 pytestmark = pytest.mark.skipif("avx512bf16" not in fastattn.available_isas(),
                                 reason="this CPU offers no AVX512-BF16")
@@ -85,8 +85,7 @@ def test_dpbf16_is_bitwise_the_same_across_thread_counts(dpbf16):
         assert np.array_equal(got.view(np.uint16), base.view(np.uint16)) and np.array_equal(lse, base_lse), n
 
 
-@pytest.mark.skipif("avx512" not in fastattn.available_isas(),
-                    reason="built without the avx512 set to compare with (tools/sanitize.sh builds one AVX-512 set)")
+@needs_avx512
 def test_dpbf16_only_for_its_entry():
     """VDPBF16PS gives other bits than the float tiles: a bfloat16 call with
     an even E differs from avx512's somewhere (lse, float32, shows it);
