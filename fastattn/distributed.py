@@ -62,6 +62,15 @@ _REFUSED = {
 _CAUSAL = (False, True, "bottom_right", "top_left")
 
 
+def _graph_step(nap, waited, took):
+    """The seconds to record for a graph call that slept nap seconds (0: it
+    did not sleep), then waited `waited` in ray.get, `took` in all. Waiting a
+    tenth of the sleep or less is only ray.get's own cost (about a
+    millisecond): the result was there before the driver woke, so the call
+    took at most the sleep, and half of it is recorded."""
+    return nap / 2 if nap > 0 and waited <= nap / 10 else took
+
+
 class ShardError(RuntimeError):
     """A shard's actor died, timed out or failed; ``shard`` is its index.
 
@@ -492,9 +501,7 @@ class ShardedKVCache:
             left = -1 if timeout is None else max(timeout - (woke - start), 1e-3)
             results = ray.get(ref, timeout=left)
             end = time.perf_counter()
-            # Waiting that came to a tenth of the sleep or less: only ray.get's
-            # own cost (about a millisecond), the result was there before.
-            step = nap / 2 if napped and end - woke <= nap / 10 else end - start
+            step = _graph_step(nap if napped else 0.0, end - woke, end - start)
             if self._graph_warm:
                 self._graph_steps = self._graph_steps[-(_GRAPH_HISTORY - 1):] + [step]
             self._graph_warm = True

@@ -402,13 +402,40 @@ def test_slow_shard_times_out_naming_it_then_answers(fd, compiled):
     cache.close()
 
 
-def test_graph_sleep_follows_the_calls_not_the_warm_up(fd):
+class _Clock:
+    """Stands in for the time module inside fastattn.distributed: only sleep
+    moves it on, by exactly what was asked. So every graph result is already
+    there when the driver wakes, however loaded the machine is (CI once saw
+    ray.get take 50-120 ms for a result that was ready, and a test on the real
+    clock failed)."""
+
+    def __init__(self):
+        self.now, self.naps = 0.0, []
+
+    def perf_counter(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.naps.append(seconds)
+        self.now += seconds
+
+
+def test_graph_step_is_half_the_sleep_only_when_the_result_was_waiting(fd):
+    assert fd._graph_step(0.6, 0.001, 0.601) == 0.3
+    assert fd._graph_step(0.6, 0.06, 0.66) == 0.3        # a tenth of the sleep: still waiting
+    assert fd._graph_step(0.6, 0.0601, 0.6601) == 0.6601  # more: the call took all of it
+    assert fd._graph_step(0.0, 0.0, 0.002) == 0.002      # no sleep: what the call took
+
+
+def test_graph_sleep_follows_the_calls_not_the_warm_up(fd, monkeypatch):
     """Before it waits (spinning) for the compiled graph, the driver sleeps
     0.6 of the fastest recent call. The first call after compiling is Ray's
     warm-up (seconds) and is not recorded; a call whose result was already
     there after the sleep is recorded as half the sleep, so a sleep grown too
     long shrinks within a few calls (recording the whole sleep shrank it by
     only 0.6 a call: twelve calls and 9 s after one slow call)."""
+    clock = _Clock()
+    monkeypatch.setattr(fd, "time", clock)
     rng = np.random.default_rng(13)
     cache = fd.ShardedKVCache(num_shards=2, batch=1, num_kv_heads=1, capacity_per_shard=10, head_dim=8)
     _fill(rng, [cache], [15], 1, 1, 8, "float32")
@@ -416,13 +443,12 @@ def test_graph_sleep_follows_the_calls_not_the_warm_up(fd):
     first = cache.attend(q)
     if cache._graph is False:
         pytest.skip("this Ray compiles no graph: plain calls only")
-    assert cache._graph_steps == []
+    assert cache._graph_steps == [] and clock.naps == []
     cache._graph_steps = [1.0]   # as if the recent calls had taken a second
-    _same_bits(cache.attend(q), first)   # sleeps 0.6 s; the result (1-2 ms) is waiting
-    assert cache._graph_steps[-1] == pytest.approx(0.3)
-    for _ in range(3):
+    for _ in range(4):
         _same_bits(cache.attend(q), first)
-    assert min(cache._graph_steps) < 0.03, cache._graph_steps   # 0.3, 0.09, 0.027, ...
+    assert clock.naps == pytest.approx([0.6, 0.18, 0.054, 0.0162])
+    assert cache._graph_steps == pytest.approx([1.0, 0.3, 0.09, 0.027, 0.0081])
     cache.close()
 
 
