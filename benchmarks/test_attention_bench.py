@@ -3,14 +3,16 @@
 Run: `pytest benchmarks` (add `--attn-threads 1`, `--attn-dtype float32,float16,int8`,
 `-k enc512`, pytest-benchmark's `--benchmark-json FILE`, ...). Each case is built and checked against the
 reference before it is timed; each library runs in its own loop, after a
-pause that lets the previous library's spinning threads fall asleep.
+pause that lets the previous library's spinning threads fall asleep. A
+decode case's calls read copies of K and V in turn, from memory, as
+`python -m fastattn bench` does (fastattn.bench.timing.kv_copies).
 """
 import functools
 import time
 
 import pytest
 
-from fastattn.bench import checks, peers, run, timing
+from fastattn.bench import peers, run, timing
 from fastattn.bench.dtypes import storage
 from fastattn.bench.shapes import SHAPES
 
@@ -35,7 +37,7 @@ def test_attention(benchmark, shape, library, dtype, threads):
     ref, prepare = case(shape, dtype)
     with timing.blas_threads(threads):
         call = prepare(library, threads)
-        err = checks.max_error(call(), ref)
+        err = run.checked_error(call, ref)
         assert err <= ref.tolerance, f"{lib.title} is off the reference by {err:.2e}"
         benchmark.group = f"{shape.name} ({dtype}): {shape.label}"
         benchmark.extra_info.update(flops=shape.flops, threads=threads, max_error=err, dtype=dtype)
@@ -45,3 +47,4 @@ def test_attention(benchmark, shape, library, dtype, threads):
         benchmark.extra_info["gflops"] = shape.flops / benchmark.stats.stats.median / 1e9
         if shape.kind == "decode":
             benchmark.extra_info["gb_per_s"] = st.kv_bytes(shape) / benchmark.stats.stats.median / 1e9
+            benchmark.extra_info["kv_copies"] = len(run.calls_in(call))

@@ -162,6 +162,19 @@ def _dtypes(text):
     return names
 
 
+def _kv_copies(text):
+    """--kv-copies: "auto" or a count from 1."""
+    if text == "auto":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"needs auto or a whole number from 1, got {text!r}")
+    return n
+
+
 def cmd_bench(args):
     if args.shapes == "hf":
         from fastattn.bench import hf
@@ -213,6 +226,12 @@ def parser(bench=None):
                         "out, K/V int8 with a float32 scale per row; decode shapes only). "
                         "16-bit and int8 rows next to float32 ones get a table of their "
                         "speed-up over float32")
+    b.add_argument("--kv-copies", type=_kv_copies, default="auto", metavar="N|auto",
+                   help="decode shapes: copies of K and V each library's calls read in turn, "
+                        "as a model's layers each read their own cache. auto (default): "
+                        "enough to fill the 512 MiB the read bandwidth is measured on (at "
+                        "most 32), so K and V come from memory; 1: one copy, read from the "
+                        "cache wherever it fits")
     b.add_argument("--repeat", type=int, default=10, metavar="N",
                    help="at least N timing samples per library and shape (default 10)")
     b.add_argument("--min-time", type=float, default=0.5, metavar="SECONDS",

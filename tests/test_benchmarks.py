@@ -187,6 +187,86 @@ def test_decode_run_reports_bandwidth(monkeypatch):
     assert "read bandwidth" in table and "GB/s" in table and "Decode shapes:" in table
 
 
+def test_kv_copies_fill_the_bandwidth_array(monkeypatch):
+    monkeypatch.setattr(timing, "BANDWIDTH_BYTES", 1000)
+    assert timing.kv_copies(300) == 4        # ceil(1000 / 300): the copies fill the array
+    assert timing.kv_copies(250) == 4
+    assert timing.kv_copies(5000) == 1       # one copy already outgrows it
+    assert timing.kv_copies(1) == timing.MAX_KV_COPIES
+    assert timing.kv_copies(300, 1) == 1 and timing.kv_copies(300, 7) == 7
+
+
+def test_decode_calls_read_each_copy_in_turn(monkeypatch):
+    """Each copy of K and V in its own memory with the same values, and the
+    timed callable running them round robin."""
+    seen, order = [], []
+
+    def spy(self, q, k, v, causal, threads, **mods):
+        i = len(seen)
+        seen.append((k, v))
+        return lambda: order.append(i)
+
+    monkeypatch.setattr(peers.FastAttn, "prepare", spy)
+    dec = Shape("dd3", 1, 4, 2, 1, 50, 16, kind="decode")
+    for name in ("float32", "int8"):
+        seen.clear()
+        st = dtypes.storage(name)
+        _, prepare = run._problem(dec, st, 3)
+        call = prepare("fastattn", 1)
+        assert isinstance(call, run.Rotation) and len(seen) == 3
+        parts = [[a for x in kv for a in (x if isinstance(x, tuple) else (x,))] for kv in seen]
+        for i in range(3):
+            for j in range(i):
+                assert all(np.array_equal(a, b) and not np.shares_memory(a, b)
+                           for a, b in zip(parts[i], parts[j]))
+    order.clear()
+    for _ in range(7):
+        call()
+    assert order == [0, 1, 2, 0, 1, 2, 0]
+    _, prepare = run._problem(dec, dtypes.storage("float32"), 1)
+    assert not isinstance(prepare("fastattn", 1), run.Rotation)  # one copy: the call itself
+    _, prepare = run._problem(SHAPES_BY_NAME["tiny"], dtypes.storage("float32"), 3)
+    assert not isinstance(prepare("fastattn", 1), run.Rotation)  # full shapes: one copy
+
+
+def test_every_copy_is_checked(monkeypatch):
+    """A wrong value in any copy but the first fails the check: the rows are
+    not timed on copies that were never compared with the reference."""
+    made = []
+
+    def fresh(x):  # the third copy's K (the third array made) gets one wrong value
+        y = x.copy()
+        made.append(y)
+        if len(made) == 3:
+            y[0, 0, -1, :] += 1
+        return y
+
+    monkeypatch.setattr(run, "_fresh", fresh)
+    monkeypatch.setattr(timing, "PAUSE_S", 0)
+    dec = Shape("dd3", 1, 4, 2, 1, 50, 16, kind="decode")
+    st = dtypes.storage("float32")
+    ref, prepare = run._problem(dec, st, 3)
+    r = run.run_one(peers.LIBRARIES["fastattn"], dec, prepare, ref, 1, 1.0, 2, 0, 1.0, st)
+    assert r.status == "failed check" and r.median_s is None
+    monkeypatch.setattr(run, "_fresh", lambda x: x.copy())
+    ref, prepare = run._problem(dec, st, 3)
+    r = run.run_one(peers.LIBRARIES["fastattn"], dec, prepare, ref, 1, 1.0, 2, 0, 1.0, st)
+    assert r.status == "ok" and r.kv_copies == 3
+
+
+def test_report_says_where_decode_read_k_and_v(monkeypatch):
+    dec = Shape("dd3", 1, 4, 2, 1, 300, 16, kind="decode")
+    texts = {}
+    for copies in (1, 2):
+        peaks, results, bw = _fast_run(monkeypatch, [dec], ["fastattn"], ["float32"],
+                                       kv_copies=copies)
+        assert [r.kv_copies for r in results] == [copies]
+        texts[copies] = report.markdown(peaks, results, [dec], ["fastattn"], bw)
+    assert "--kv-copies 1" in texts[1] and "next of several copies" not in texts[1]
+    mib = dec.kv_bytes() / 2**20
+    assert f"dd3 2 × {mib:.3g} MiB" in texts[2]
+
+
 def test_ort_gqa_decode_matches_reference():
     lib = peers.LIBRARIES["ort_gqa"]
     if not lib.installed():
@@ -487,12 +567,13 @@ SMALL_DTYPE_SHAPES = [Shape("df", 1, 4, 2, 40, 40, 32, causal=True),     # causa
                       Shape("dd", 1, 8, 2, 1, 300, 64, kind="decode")]   # GQA decode
 
 
-def _fast_run(monkeypatch, shapes_, libs, names, threads=(1,)):
+def _fast_run(monkeypatch, shapes_, libs, names, threads=(1,), kv_copies="auto"):
     monkeypatch.setattr(timing, "PEAK_N", 128)
     monkeypatch.setattr(timing, "PAUSE_S", 0)
     monkeypatch.setattr(timing, "BANDWIDTH_BYTES", 2**22)
     progress = run.Progress(1, stream=io.StringIO())
-    return run.run(shapes_, libs, list(threads), names, repeat=2, min_time=0, progress=progress)
+    return run.run(shapes_, libs, list(threads), names, repeat=2, min_time=0, progress=progress,
+                   kv_copies=kv_copies)
 
 
 def test_storage_inputs_and_stored_bytes():

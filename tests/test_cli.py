@@ -102,6 +102,16 @@ def test_dtype_option_parses(monkeypatch):
     assert cli._dtypes("float16") == ["float16"]
 
 
+def test_kv_copies_option_parses():
+    from fastattn import bench
+    assert cli.parser(bench).parse_args(["bench"]).kv_copies == "auto"  # the default
+    assert cli.parser(bench).parse_args(["bench", "--kv-copies", "3"]).kv_copies == 3
+    assert cli._kv_copies("1") == 1
+    for bad in ("0", "-2", "two", "1.5", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"from 1, got {bad!r}"):
+            cli._kv_copies(bad)
+
+
 def test_failed_check_exits_1(monkeypatch, capsys):
     real = fastattn.attention
 

@@ -29,9 +29,10 @@ def threadpools():
     return threadpool_info()
 
 
-def header(libraries, status, threads_list, dtypes):
+def header(libraries, status, threads_list, dtypes, kv_copies="auto"):
     """Everything needed to read (and reproduce) the numbers, as a dict.
-    ``dtypes``: the --dtype names (or one name or NumPy dtype)."""
+    ``dtypes``: the --dtype names (or one name or NumPy dtype); ``kv_copies``:
+    --kv-copies (the report's decode tables give each shape's count)."""
     if isinstance(dtypes, (str, np.dtype, type)):
         dtypes = [dtypes]
     storages = [storage(d) for d in dtypes]
@@ -50,6 +51,7 @@ def header(libraries, status, threads_list, dtypes):
         "threads": list(threads_list),
         "dtypes": [st.name for st in storages],
         "dtype_notes": {st.name: st.about for st in storages if st.about},
+        "kv_copies": kv_copies,
         "versions": versions,
         "libraries": status,
         "threadpools": threadpools(),

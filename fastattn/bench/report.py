@@ -169,7 +169,8 @@ def _sections(st, shapes, libraries, by_key, threads, bw, modified):
                  "the share of the read bandwidth")
         lines += ["", f"GB/s: bytes of K and V stored, so read, per call ({st.bytes_formula}) "
                   f"over the median time; in brackets, {share} (over 100 %: "
-                  "the library reads faster than one plain stream per thread does).", ""]
+                  "the library reads faster than one plain stream per thread does). "
+                  + _copies_text(decode, by_key), ""]
         lines += _table(decode, libs, by_key, _cell_bandwidth, st.name)
         lines.append("")
     if blocks:
@@ -190,6 +191,25 @@ def _sections(st, shapes, libraries, by_key, threads, bw, modified):
         lines += _table(modified, libs, by_key, _cell_cost, st.name)
         lines.append("")
     return lines
+
+
+def _copies_text(decode, by_key):
+    """Where the decode rows read K and V from: each shape's copies (--kv-copies)."""
+    rows = {}
+    for sh in decode:
+        for (name, _), r in by_key.items():
+            if name == sh.name and r.kv_copies:
+                rows[name] = r
+    if not rows:
+        return ""
+    if all(r.kv_copies == 1 for r in rows.values()):
+        return ("Each call read the same copy of K and V (--kv-copies 1): it stays in the "
+                "last-level cache wherever it fits, as no layer's cache does in a model.")
+    listed = ", ".join(f"{name} {r.kv_copies} × {r.kv_bytes / 2**20:.3g} MiB"
+                       for name, r in rows.items())
+    return (f"Each call read the next of several copies of K and V ({listed}; --kv-copies), "
+            "so they come from memory wherever the copies outgrow the last-level cache, "
+            "as each layer's cache does in a model.")
 
 
 def _mark(value, target, strictly=False):

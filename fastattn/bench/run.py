@@ -44,6 +44,7 @@ class Result:
     detail: str = ""
     dtype: str = "float32"        # the --dtype storage (fastattn.bench.dtypes)
     kv_bytes: int = None          # decode shapes: bytes of K and V stored, scales included
+    kv_copies: int = None         # decode shapes: copies of K and V the timed calls read in turn
 
 
 def library_status(requested):
@@ -77,7 +78,7 @@ def run_one(lib, shape, prepare, ref, threads, peak, repeat, min_time, bandwidth
     try:
         with blas_threads(threads):
             call = prepare(lib.name, threads)
-            res.max_error, res.tolerance = max_error(call(), ref), ref.tolerance
+            res.max_error, res.tolerance = checked_error(call, ref), ref.tolerance
             if not res.max_error <= ref.tolerance:  # NaN fails too
                 res.status = "failed check"
                 res.detail = f"max error {res.max_error:.2e} > tolerance {ref.tolerance:.2e}"
@@ -96,9 +97,23 @@ def run_one(lib, shape, prepare, ref, threads, peak, repeat, min_time, bandwidth
         res.kv_bytes = st.kv_bytes(shape)
         res.gbps = res.kv_bytes / t.median_s / 1e9
         res.bandwidth_share = res.gbps / bandwidth if bandwidth else None
+        res.kv_copies = len(calls_in(call))
     if shape.kind == "block":
         res.tokens_per_s = shape.tokens / t.median_s
     return res
+
+
+def calls_in(call):
+    """What a prepared call runs: a Rotation's calls (one per copy of K and V), or itself."""
+    return call.calls if isinstance(call, Rotation) else [call]
+
+
+def checked_error(call, ref):
+    """``call``'s error against the reference; for a Rotation, over each copy
+    of K and V once: the first that fails the tolerance (NaN included), else
+    the largest."""
+    errors = [max_error(c(), ref) for c in calls_in(call)]
+    return next((e for e in errors if not e <= ref.tolerance), max(errors))
 
 
 class Progress:
@@ -128,7 +143,7 @@ class Progress:
 
 
 def run(shapes, libraries, threads_list, dtypes=("float32",), repeat=10, min_time=0.5,
-        progress=None):
+        progress=None, kv_copies="auto"):
     """Time every library on every shape, storage dtype and thread count.
 
     ``dtypes``: --dtype names (fastattn.bench.dtypes.STORAGES), or one name or
@@ -140,7 +155,9 @@ def run(shapes, libraries, threads_list, dtypes=("float32",), repeat=10, min_tim
     shape's kind out, or that lacks a shape's score modifier or dtype, is not
     run on it. A modifier row's time is also taken over the same library's
     time on the plain shape (``base``) in this run, and a 16-bit or int8 row's
-    speed-up over the same library's float32 row. Returns (peaks, results,
+    speed-up over the same library's float32 row. A decode shape's calls read
+    ``kv_copies`` copies of K and V in turn (timing.kv_copies: "auto" reads
+    them from memory, as a model's layers do). Returns (peaks, results,
     bandwidths): {threads: {"float32" or "float64": matmul GFLOP/s}}, a list
     of Result, {threads: read GB/s} (empty without decode shapes).
     """
@@ -173,7 +190,7 @@ def run(shapes, libraries, threads_list, dtypes=("float32",), repeat=10, min_tim
             if shape.kind not in st.kinds:
                 continue
             progress.show(f"{shape.name}, {st.name}: the reference")
-            prepared.append((st, *_problem(shape, st)))
+            prepared.append((st, *_problem(shape, st, kv_copies)))
         for threads in threads_list:
             for st, ref, prepare in prepared:
                 base = None
@@ -198,18 +215,42 @@ def run(shapes, libraries, threads_list, dtypes=("float32",), repeat=10, min_tim
     return peaks, results, bandwidths
 
 
-def _problem(shape, st):
-    """A shape's reference and its ``prepare(library name, threads)`` in one storage."""
+def _problem(shape, st, kv_copies="auto"):
+    """A shape's reference and its ``prepare(library name, threads)`` in one
+    storage. A decode shape's prepare gives a Rotation over its copies of K
+    and V when there are several (timing.kv_copies)."""
     if shape.kind == "block":
         problem = block.BlockProblem(shape, st.dtype())
         return block_reference(problem), problem.prepare
     q, k, v = st.inputs(shape)
     ref = reference_for(shape, q, k, v)
+    copies = timing.kv_copies(st.kv_bytes(shape), kv_copies) if shape.decode else 1
+    kvs = [(k, v)] + [(_fresh(k), _fresh(v)) for _ in range(copies - 1)]
 
-    def prepare(name, threads, q=q, k=k, v=v, causal=shape.causal, mods=shape.modifier_args()):
-        return LIBRARIES[name].prepare(q, k, v, causal, threads, **mods)
+    def prepare(name, threads, q=q, causal=shape.causal, mods=shape.modifier_args()):
+        calls = [LIBRARIES[name].prepare(q, k, v, causal, threads, **mods) for k, v in kvs]
+        return calls[0] if len(calls) == 1 else Rotation(calls)
 
     return ref, prepare
+
+
+def _fresh(x):
+    """A copy of a stored K or V (an int8 pair: both parts) in its own memory."""
+    return tuple(a.copy() for a in x) if isinstance(x, tuple) else x.copy()
+
+
+class Rotation:
+    """One timed callable over a library's calls on several copies of K and V:
+    each call runs the next, so no copy is read again until all the others
+    have been, and a cache that holds one copy holds none by then."""
+
+    def __init__(self, calls):
+        self.calls, self.next = calls, 0
+
+    def __call__(self):
+        call = self.calls[self.next]
+        self.next = (self.next + 1) % len(self.calls)
+        return call()
 
 
 def _speedups_over_float32(results):

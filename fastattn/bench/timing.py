@@ -16,6 +16,7 @@ SAMPLE_S = 2e-3        # a sample repeats a call until it lasts this long (µs c
 WARMUP_S = 0.1
 PEAK_N = 2048
 BANDWIDTH_BYTES = 512 * 2**20  # the array the read-bandwidth loop sums: far above any cache
+MAX_KV_COPIES = 32  # decode shapes: at most this many copies of K and V read in turn
 
 
 @dataclasses.dataclass
@@ -75,6 +76,22 @@ def matmul_peak(threads, dtype=np.float32, repeat=10, min_time=0.5):
     with blas_threads(threads):
         t = time_call(lambda: a @ b, repeat, min_time)
     return 2 * PEAK_N**3 / t.median_s / 1e9
+
+
+def kv_copies(kv_bytes, asked="auto"):
+    """How many copies of a decode shape's K and V its timed calls read in turn.
+
+    A model's layers each read their own cache once per token, so a decode
+    call finds K and V in memory, not in cache. One copy read over and over
+    stays in the last-level cache wherever it fits (a 4096-key float32 cache
+    of 8 heads is 32 MiB; some L3s hold hundreds of MiB). "auto": enough
+    copies to fill BANDWIDTH_BYTES, the array the read bandwidth is measured
+    on, so a decode row and its yardstick read from the same level; at most
+    MAX_KV_COPIES. An int: that many (1: one copy, cache-resident where it fits).
+    """
+    if asked == "auto":
+        return max(1, min(MAX_KV_COPIES, math.ceil(BANDWIDTH_BYTES / kv_bytes)))
+    return int(asked)
 
 
 def _self_dot(x):
