@@ -79,6 +79,33 @@ def test_peer_matches_reference(name):
     assert checks.max_error(out, ref) <= ref.tolerance
 
 
+@pytest.mark.parametrize("name", list(peers.LIBRARIES))
+def test_peer_calls_on_copies_read_their_own_k_and_v(name, monkeypatch):
+    """prepare_copies: one call per (k, v), each on its own; given different
+    values in place of copies, each call matches its own reference and not
+    the other's. Session peers build one session for all of them."""
+    lib = peers.LIBRARIES[name]
+    if not lib.installed():
+        pytest.skip(f"{name} not installed")
+    sessions = []
+    if isinstance(lib, peers.OnnxRuntime):
+        real = peers.OnnxRuntime._session
+        monkeypatch.setattr(peers.OnnxRuntime, "_session",
+                            lambda self, *a: sessions.append(1) or real(self, *a))
+    shape = Shape("dcopies", 1, 4, 2, 1, 37, 16, kind="decode")
+    q, k, v = shape.inputs()
+    other = (np.ascontiguousarray(k[:, :, ::-1]) * 2, np.ascontiguousarray(v[:, :, ::-1]) - 1)
+    refs = [checks.reference_for(shape, q, *kv) for kv in ((k, v), other)]
+    calls = lib.prepare_copies(q, [(k, v), other], shape.causal, 1)
+    assert len(calls) == 2
+    outs = [np.asarray(c()).copy() for c in calls]  # copied: a peer may reuse its output buffer
+    for out, ref, wrong in zip(outs, refs, refs[::-1]):
+        assert checks.max_error(out, ref) <= ref.tolerance
+        assert checks.max_error(out, wrong) > 100 * wrong.tolerance
+    if isinstance(lib, peers.OnnxRuntime):
+        assert sessions == [1]
+
+
 class Broken(peers.Peer):
     name, title, module = "broken", "Broken", "numpy"
 

@@ -228,7 +228,7 @@ def _problem(shape, st, kv_copies="auto"):
     kvs = [(k, v)] + [(_fresh(k), _fresh(v)) for _ in range(copies - 1)]
 
     def prepare(name, threads, q=q, causal=shape.causal, mods=shape.modifier_args()):
-        calls = [LIBRARIES[name].prepare(q, k, v, causal, threads, **mods) for k, v in kvs]
+        calls = LIBRARIES[name].prepare_copies(q, kvs, causal, threads, **mods)
         return calls[0] if len(calls) == 1 else Rotation(calls)
 
     return ref, prepare
