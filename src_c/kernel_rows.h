@@ -20,12 +20,23 @@ static inline T FN(v_hmax)(VT x) {
     return t[0];
 }
 
+/* One row computes the scores of FA_ROW_SUPER blocks at a time (st holds
+ * FA_ST_BLOCKS blocks: FA_FEW rows of one block, or FA_ROW_SUPER blocks of
+ * one row), then softmax and P·V block by block as before: K and V are read
+ * in runs of FA_ROW_SUPER blocks, not in alternate blocks. The same
+ * operations in the same order: the same bits. */
+#ifndef FA_ROW_SUPER
+#define FA_ROW_SUPER 1
+#endif
+_Static_assert(FA_ROW_SUPER >= 1, "a run is at least one block");
+#define FA_ST_BLOCKS (FA_ROW_SUPER > FA_FEW ? FA_ROW_SUPER : FA_FEW)
+
 /* Scratch of one thread: q rows (FA_FEW × E, padded to whole vectors), o rows
- * (FA_FEW × Ev), scores (FA_FEW × FA_BK). */
+ * (FA_FEW × Ev), scores (FA_ST_BLOCKS × FA_BK). */
 static size_t FN(rows_scratch_bytes)(int64_t E, int64_t Ev) {
     const size_t nE = (size_t)((E + W - 1) / W), nEv = (size_t)((Ev + W - 1) / W);
     return FN(round_up)(FA_FEW * nE * sizeof(VT)) + 3 * FN(round_up)(FA_FEW * nEv * sizeof(VT)) +
-           FN(round_up)(FA_FEW * FA_BK * sizeof(T));
+           FN(round_up)(FA_ST_BLOCKS * FA_BK * sizeof(T));
 }
 
 /* s[r][j] = q_r · K_j for the nb keys of a block, R rows (a constant here).
@@ -88,14 +99,6 @@ _Static_assert(FA_BK % W == 0, "rows of st hold whole vectors of scores");
 #ifndef FA_ROWS_PF_V_NOW
 #define FA_ROWS_PF_V_NOW(R) 0
 #endif
-/* One row computes the scores of FA_ROW_SUPER blocks at a time (at most
- * FA_FEW: st holds FA_FEW blocks of one row), then softmax and P·V block by
- * block as before: K and V are read in runs of FA_ROW_SUPER blocks, not in
- * alternate blocks. The same operations in the same order: the same bits. */
-#ifndef FA_ROW_SUPER
-#define FA_ROW_SUPER 1
-#endif
-_Static_assert(FA_ROW_SUPER >= 1 && FA_ROW_SUPER <= FA_FEW, "st holds FA_FEW blocks of one row");
 
 /* One row, keys j0 .. j0 + FA_ROW_KEYS − 1: st[j] = q · K_j. */
 static inline __attribute__((always_inline)) void FN(dot_scores_row)(
@@ -407,4 +410,5 @@ static void FN(rows_item)(const fa_plan *p, const fa_item *it, void *scratch) {
 }
 
 #undef FA_FEW
+#undef FA_ST_BLOCKS
 #undef FA_BY_ROWS
