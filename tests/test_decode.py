@@ -19,7 +19,8 @@ SHAPES = [
     (1, 32, 8, 2, 1030, 8, 8),       # g·L = 8: row layout on AVX-512
     (3, 2, 2, 4, 129, 7, 5),         # short S, rows of a block straddle nothing
     (1, 6, 3, 1, 4097, 32, 32),      # one key past a chunk boundary
-    (2, 3, 3, 1, 1093, 128, 128),    # one row: runs of 8 blocks' scores (FA_ROW_SUPER), a short last run
+    (2, 3, 3, 1, 1093, 128, 128),    # one row, two chunks of 547 keys: one short run of scores
+    (4, 8, 8, 1, 4165, 20, 12),      # one row, no split: a run of 64 blocks' scores (FA_ROW_SUPER), a short last run
 ]
 OPTIONS = [
     {},

@@ -90,6 +90,16 @@ def test_storage_dtype_matches_reference(isa, shape, kv, qk, opt):
             check(got, q, k, v, q.dtype, **kw)
 
 
+@pytest.mark.parametrize("kv", ["float16", "int8"])  # 2 bytes a key element, and 1
+def test_storage_dtype_one_row_over_long_runs(isa, kv):
+    """One row a head and 32 heads, so the driver does not split the keys:
+    each item scores runs of 64 key blocks (FA_ROW_SUPER on AVX-512), int8
+    four keys at a time, with a short last run and a ragged last block."""
+    q, k, v, kw = _case((2, 16, 16, 1, 4200, 24, 40), kv, "float32", "causal_kvlen")
+    assert _api.plan(q, k, v, **kw)[0]["key_chunks"] == 1
+    check(fastattn.attention(q, k, v, **kw), q, k, v, q.dtype, **kw)
+
+
 @pytest.mark.parametrize("kv", KV_KINDS)
 def test_storage_dtype_bitwise_across_threads(kv):
     q, k, v, kw = _case((2, 8, 2, 70, 1100, 64, 64), kv, "bfloat16", "causal_kvlen")
