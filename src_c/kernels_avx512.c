@@ -29,7 +29,7 @@
  * nothing ahead: the hardware prefetcher follows that stream better than it
  * did the software prefetches of stops 25 and 26 ("Stop 28"). int8 rows are
  * 4 keys to a 512-byte run, still one stream, so int8 takes 4 keys at a time
- * (independent sums, 0.89-0.97 of the time, "Stop 32"). */
+ * (independent sums, 0.89-1.01 of the time alone, "Stop 32"). */
 #define FA_ROWS_WHOLE_MAX 4
 #define FA_ROWS_MANY_G 4
 #define FA_ROW_SHORT_G4 1

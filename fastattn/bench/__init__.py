@@ -56,11 +56,10 @@ def main(args):
     libraries = [name for name, s in status.items() if s == "ok"]
     threads = args.threads or [fastattn.info()["max_threads"]]
     args.shapes = with_plain(args.shapes)  # a modifier row is timed against its plain shape
-    kv_copies = getattr(args, "kv_copies", "auto")
-    head = header.header(requested, status, threads, args.dtype, kv_copies)
+    head = header.header(requested, status, threads, args.dtype, args.kv_copies)
     print("\n".join(header.format_header(head)), flush=True)
     peaks, results, bandwidths = run.run(args.shapes, libraries, threads, args.dtype,
-                                         args.repeat, args.min_time, kv_copies=kv_copies)
+                                         args.repeat, args.min_time, kv_copies=args.kv_copies)
     print()
     print(report.markdown(peaks, results, args.shapes, libraries, bandwidths, args.dtype))
     busy = header.cpu_busy()
