@@ -55,14 +55,20 @@ static inline void fa_prefetch_l2(const void *p, int64_t bytes) {
  * 26 was measured with the build as compiled, so the row layout asks with
  * this one only where asking measured faster (kernel_rows.h, FA_ROW_PF);
  * the lane layout's calls are left as they compile. An asm statement the
- * compiler must keep, where the target has one. */
+ * compiler must keep, where the target has one.
+ *
+ * The address goes in as a register ("r"), not as a memory operand ("m"):
+ * with a memory operand GCC 12 kept one row's P·V accumulators in memory
+ * across the asm, a load and a store of every vector for every key (objdump
+ * of rows_item, stop 33), which cost more than the prefetches saved; every
+ * row-layout measurement with prefetches before stop 33 paid that. */
 static inline void fa_prefetch_l2_kept(const void *p, int64_t bytes) {
     const char *c = (const char *)p;
     for (int64_t i = 0; i < bytes; i += 64) {
 #if defined(__x86_64__) || defined(__i386__)
-        __asm__ volatile("prefetcht1 %0" : : "m"(c[i]));
+        __asm__ volatile("prefetcht1 (%0)" : : "r"(c + i));
 #elif defined(__aarch64__)
-        __asm__ volatile("prfm pldl2keep, %0" : : "Q"(c[i]));
+        __asm__ volatile("prfm pldl2keep, [%0]" : : "r"(c + i));
 #else
         __builtin_prefetch(c + i, 0, 2);
 #endif

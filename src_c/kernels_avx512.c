@@ -25,15 +25,21 @@
  * row computes the scores of 64 blocks at a time (4096 keys: K and V each
  * read in runs of 1 MiB of float32 at E = 128; 8 blocks at stop 27, 64 from
  * stop 32 on a Xeon, from memory 0.91-0.95 of the time, "Stop 32"). One row
- * reads K one key at a time, each row whole and in order, and asks for
- * nothing ahead: the hardware prefetcher follows that stream better than it
- * did the software prefetches of stops 25 and 26 ("Stop 28"). int8 rows are
- * 4 keys to a 512-byte run, still one stream, so int8 takes 4 keys at a time
- * (independent sums, 0.89-1.01 of the time alone, "Stop 32"). */
+ * reads K one key at a time, each row whole and in order ("Stop 28"). int8
+ * rows are 4 keys to a 512-byte run, still one stream, so int8 takes 4 keys
+ * at a time (independent sums, 0.89-1.01 of the time alone, "Stop 32").
+ * One row asks for the next block's K and V rows (prefetcht1, a block
+ * ahead) as it goes: stop 28 had dropped these on Zen 4, where they cost,
+ * but then the prefetch's memory operand kept the P·V accumulators in
+ * memory (internal.h). With a register operand, on a Xeon from memory
+ * (1x32x1x4096x128): float32 0.93-0.96 of the time, float16 0.89-0.94, int8
+ * 0.65-0.90; from L2/L3 0.97-1.18 ("Stop 33"). */
 #define FA_ROWS_WHOLE_MAX 4
 #define FA_ROWS_MANY_G 4
 #define FA_ROW_SHORT_G4 1
 #define FA_ROW_KEYS (sizeof(KV) == 1 ? 4 : 1)
 #define FA_ROW_SUPER 64
+#define FA_ROW_PF_BYTES 1
+#define FA_ROW_PF_V_ROWS 1
 #define FA_ROWS_PF_V_NOW(R) ((R) > (sizeof(KV) >= 4 ? 4 : 2))
 #include "kernel_isa.h"
