@@ -33,13 +33,16 @@
  * but then the prefetch's memory operand kept the P·V accumulators in
  * memory (internal.h). With a register operand, on a Xeon from memory
  * (1x32x1x4096x128): float32 0.93-0.96 of the time, float16 0.89-0.94, int8
- * 0.65-0.90; from L2/L3 0.97-1.18 ("Stop 33"). */
+ * 0.65-0.90; from L2/L3 0.97-1.18 ("Stop 33"). Items of 2-4 rows of
+ * float32 or float64, which do not ask for V with their scores, ask for the
+ * next block's V in their P·V (1x32/8x1x8192x128 float32 0.87-0.89; 16-bit
+ * and int8, which ask for V with their scores, 1.05-1.08 that way). */
 #define FA_ROWS_WHOLE_MAX 4
 #define FA_ROWS_MANY_G 4
 #define FA_ROW_SHORT_G4 1
 #define FA_ROW_KEYS (sizeof(KV) == 1 ? 4 : 1)
 #define FA_ROW_SUPER 64
 #define FA_ROW_PF_BYTES 1
-#define FA_ROW_PF_V_ROWS 1
+#define FA_ROW_PF_V_ROWS (sizeof(KV) >= 4 ? 4 : 1)
 #define FA_ROWS_PF_V_NOW(R) ((R) > (sizeof(KV) >= 4 ? 4 : 2))
 #include "kernel_isa.h"
