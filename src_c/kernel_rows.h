@@ -196,8 +196,10 @@ static inline __attribute__((always_inline)) void FN(values_group)(
  * 16 it measured level from memory and up to 9 % slower from cache. On Zen 4
  * (AVX-512), 4 rows read whole (G = 8 at E = 128: 32 accumulators) took
  * 0.58-0.86x the time of G = 1, and 8 rows 4 vectors at a time 0.83-0.89x
- * (whole, 64 accumulators, was slower for int8). A whole row of 4 vectors
- * or fewer takes G = 4 there (FA_ROW_SHORT_G4): the loop of constant length
+ * (whole, 64 accumulators, was slower for int8); on an Intel Xeon 8 rows of
+ * 2 vectors took 0.89-0.94x the time of 4 (the amx set's choice, "Stop
+ * 34"). A whole row of 4 vectors or fewer takes G = 4 there
+ * (FA_ROW_SHORT_G4): the loop of constant length
  * (E = 64, 4 rows: 0.59x with G = 4 against 0.93x with G = 8). */
 _Static_assert(FA_ROWS_MANY_G <= FA_ROW_GROUP && FA_ROW_GROUP >= 8, "acc holds G vectors a row");
 static inline __attribute__((always_inline)) void FN(dot_values_n)(

@@ -20,8 +20,9 @@
 #endif
 /* Row layout (kernel_rows.h), measured on Zen 4 (docs/tuning.md, "Stop 25"):
  * up to 4 rows read V a whole row at a time (4 vectors at E <= 64), 8 rows 4
- * vectors at a time; items of more than 4 rows of float32, or more than 2 of
- * 16-bit or int8 storage, ask for a block's V rows with its scores, and one
+ * vectors at a time (the amx set: 2, kernels_amx.c); items of more than 4
+ * rows of float32, or more than 2 of 16-bit or int8 storage, ask for a
+ * block's V rows with its scores, and one
  * row computes the scores of 64 blocks at a time (4096 keys: K and V each
  * read in runs of 1 MiB of float32 at E = 128; 8 blocks at stop 27, 64 from
  * stop 32 on a Xeon, from memory 0.91-0.95 of the time, "Stop 32"). One row
@@ -39,7 +40,9 @@
  * next block's V in their P·V (1x32/8x1x8192x128 float32 0.87-0.89; 16-bit
  * and int8, which ask for V with their scores, 1.05-1.08 that way). */
 #define FA_ROWS_WHOLE_MAX 4
+#ifndef FA_ROWS_MANY_G /* the amx set chooses its own (kernels_amx.c) */
 #define FA_ROWS_MANY_G 4
+#endif
 #define FA_ROW_SHORT_G4 1
 #define FA_ROW_KEYS (sizeof(KV) == 1 ? 4 : 1)
 #define FA_ROW_SUPER 64

@@ -21,6 +21,7 @@ SHAPES = [
     (1, 6, 3, 1, 4097, 32, 32),      # one key past a chunk boundary
     (2, 3, 3, 1, 1093, 128, 128),    # one row, two chunks of 547 keys: one short run of scores
     (4, 8, 8, 1, 4165, 20, 12),      # one row, no split: a run of 64 blocks' scores (FA_ROW_SUPER), a short last run
+    (1, 16, 2, 1, 1300, 48, 96),     # g = 8: P·V in whole passes of 2 vectors (amx set) or 4 and a short one
 ]
 OPTIONS = [
     {},

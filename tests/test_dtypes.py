@@ -101,6 +101,16 @@ def test_storage_dtype_one_row_over_long_runs(isa, kv):
 
 
 @pytest.mark.parametrize("kv", KV_KINDS)
+def test_storage_dtype_eight_rows_in_passes(isa, kv):
+    """g = 8 query heads a K/V head, one new row each: items of 8 rows, whose
+    P·V runs over V in passes of a few vectors (2 on the amx set, 4
+    elsewhere), whole passes and a short last one (Ev = 72: 4½ vectors of 16)."""
+    for shape in [(1, 16, 2, 1, 1300, 48, 96), (2, 8, 1, 1, 700, 40, 72)]:
+        q, k, v, kw = _case(shape, kv, "float32", "causal_kvlen")
+        check(fastattn.attention(q, k, v, **kw), q, k, v, q.dtype, **kw)
+
+
+@pytest.mark.parametrize("kv", KV_KINDS)
 def test_storage_dtype_bitwise_across_threads(kv):
     q, k, v, kw = _case((2, 8, 2, 70, 1100, 64, 64), kv, "bfloat16", "causal_kvlen")
     base, base_lse = fastattn.attention(q, k, v, num_threads=1, return_lse=True, **kw)
