@@ -22,8 +22,8 @@
  * up to 4 rows read V a whole row at a time (4 vectors at E <= 64), 8 rows 4
  * vectors at a time (the amx set: 2, kernels_amx.c); items of more than 4
  * rows of float32, or more than 2 of 16-bit or int8 storage, ask for a
- * block's V rows with its scores, and one
- * row computes the scores of 64 blocks at a time (4096 keys: K and V each
+ * block's V rows with its scores, and one row computes the scores of 64
+ * blocks at a time (4096 keys: K and V each
  * read in runs of 1 MiB of float32 at E = 128; 8 blocks at stop 27, 64 from
  * stop 32 on a Xeon, from memory 0.91-0.95 of the time, "Stop 32"). One row
  * reads K one key at a time, each row whole and in order ("Stop 28"). int8
