@@ -43,12 +43,14 @@ static size_t FN(rows_scratch_bytes)(int64_t E, int64_t Ev) {
  * Each dot product ends as one vector of partial sums; W keys' vectors are
  * summed together by v_hsums (one transpose-and-add tree per W scores, not a
  * tree per score). Lanes past nb are written too (st rows hold FA_BK, a
- * multiple of W); rows_softmax overwrites them with −inf. A single row keeps
- * one tree per score: it streams K faster that way (docs/tuning.md), and
- * takes FA_ROW_KEYS keys at a time, each with its own accumulator: one key's
- * E/W multiply-adds are a chain (16 × 5 cycles at E = 128 on Zen 2, longer
- * than the loads), so only independent keys keep the FMA units busy. Each
- * score is still the same sum in the same order: the same bits. */
+ * multiple of W); rows_softmax overwrites them with −inf. A single row
+ * reads each K row whole in turn (it streams K faster that way:
+ * docs/tuning.md) and takes FA_ROW_KEYS keys at a time, each with its own
+ * accumulator: one key's E/W multiply-adds are a chain (16 × 5 cycles at
+ * E = 128 on Zen 2, longer than the loads), so only independent keys keep
+ * the FMA units busy. Four keys share one tree (v_hsums4: int8 rows on a
+ * Xeon from memory 0.91 of the time of four trees, "Stop 35"). Each score is
+ * still the same sum in the same order: the same bits. */
 _Static_assert(FA_BK % W == 0, "rows of st hold whole vectors of scores");
 /* Keys at a time for one row (a set may choose; the AVX-512 sets take 1, each
  * key's row read whole in turn, for the hardware prefetcher: "Stop 28"). */
@@ -114,7 +116,10 @@ static inline __attribute__((always_inline)) void FN(dot_scores_row)(
     if (tail)
         for (int t = 0; t < FA_ROW_KEYS; t++)
             acc[t] += qs[full] * FN(kv_load_part)(k + (j0 + t) * k_rs + full * W, (int)tail);
-    for (int t = 0; t < FA_ROW_KEYS; t++) st[j0 + t] = FN(v_hsum)(acc[t]);
+    if (FA_ROW_KEYS % 4 == 0)
+        for (int t = 0; t < FA_ROW_KEYS; t += 4) FN(v_hsums4)(acc + t, st + j0 + t);
+    else
+        for (int t = 0; t < FA_ROW_KEYS; t++) st[j0 + t] = FN(v_hsum)(acc[t]);
 }
 
 static inline __attribute__((always_inline)) void FN(dot_scores_n)(
@@ -125,8 +130,17 @@ static inline __attribute__((always_inline)) void FN(dot_scores_n)(
         const int64_t nk = nb - j0 < W ? nb - j0 : W;
         VT part[FA_FEW][W];
         int64_t jj = 0;
-        if (R == 1)
-            for (; jj + FA_ROW_KEYS <= nk; jj += FA_ROW_KEYS) FN(dot_scores_row)(st, qs, k, k_rs, E, j0 + jj);
+        /* One row: E a constant at the common head dims (whole vectors), so
+         * that GCC unrolls the sums and keeps the accumulators in registers
+         * (on a Xeon from memory 0.93-0.96 of the time, 0.85-0.88 from cache;
+         * the AVX2 set forced 0.93-1.02: "Stop 35"). */
+#define FA_ROW_RUN(e) \
+    for (; jj + FA_ROW_KEYS <= nk; jj += FA_ROW_KEYS) FN(dot_scores_row)(st, qs, k, k_rs, e, j0 + jj)
+        if (R == 1 && E == 4 * W) FA_ROW_RUN(4 * W);
+        else if (R == 1 && E == 8 * W) FA_ROW_RUN(8 * W);
+        else if (R == 1 && E == 16 * W) FA_ROW_RUN(16 * W);
+        else if (R == 1) FA_ROW_RUN(E);
+#undef FA_ROW_RUN
         for (; jj < nk; jj++) {
             const KV *kj = k + (j0 + jj) * k_rs, *vj = v + (j0 + jj) * v_rs;
             VT acc[FA_FEW];

@@ -209,6 +209,33 @@ static inline VT FN(v_hsums)(VT *x) {
     (void)n;
     return x[0];
 }
+
+/* out[t] := Σ of x[t]'s lanes for t < 4 (W ≥ 4): v_hsums' first two stages
+ * on 4 vectors leave each sum's W/4 partial sums side by side in x[0]; the
+ * last log2(W/4) stages pair lanes inside those segments. The same pairing
+ * order as v_hsum: the same bits. 8 shuffles and 5 adds at W = 16, where 4
+ * trees take 16 of each (one row's scores, FA_ROW_KEYS 4). */
+#define FA_SEG_DOWN(j, h) ((j) % (FA_WPP / 4) < (h) ? (j) + (h) : (j))
+static inline void FN(v_hsums4)(const VT *x, T *out) {
+#if FA_WPP >= 4
+    const VT a = __builtin_shufflevector(x[0], x[2], FA_IDX(FA_SUM_A, FA_WPP)) +
+                 __builtin_shufflevector(x[0], x[2], FA_IDX(FA_SUM_B, FA_WPP));
+    const VT b = __builtin_shufflevector(x[1], x[3], FA_IDX(FA_SUM_A, FA_WPP)) +
+                 __builtin_shufflevector(x[1], x[3], FA_IDX(FA_SUM_B, FA_WPP));
+    VT y = __builtin_shufflevector(a, b, FA_IDX(FA_SUM_A, FA_WPP / 2)) +
+           __builtin_shufflevector(a, b, FA_IDX(FA_SUM_B, FA_WPP / 2));
+#if FA_WPP >= 16
+    y += __builtin_shufflevector(y, y, FA_IDX(FA_SEG_DOWN, 2));
+#endif
+#if FA_WPP >= 8
+    y += __builtin_shufflevector(y, y, FA_IDX(FA_SEG_DOWN, 1));
+#endif
+    for (int t = 0; t < 4; t++) out[t] = y[t * (W / 4)];
+#else
+    for (int t = 0; t < 4; t++) out[t] = FN(v_hsum)(x[t]);
+#endif
+}
+#undef FA_SEG_DOWN
 #undef FA_SUM_A
 #undef FA_SUM_B
 #undef FA_IDX
@@ -233,6 +260,10 @@ static inline VT FN(v_hsums)(VT *x) {
     VT y;
     for (int i = 0; i < W; i++) y[i] = FN(v_hsum)(x[i]);
     return y;
+}
+
+static inline void FN(v_hsums4)(const VT *x, T *out) {
+    for (int t = 0; t < 4; t++) out[t] = FN(v_hsum)(x[t]);
 }
 #endif
 

@@ -70,6 +70,24 @@ def test_decode_matches_reference(isa, shape, opts, dtype):
                                atol=1e-5 if dtype == np.float32 else 1e-12)
 
 
+@pytest.mark.parametrize("E", [4, 8, 16, 32, 64, 128, 256])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_one_row_at_head_dims_of_whole_vectors(isa, E, dtype):
+    """One row a head: where E is 4, 8 or 16 vectors of the ISA's width
+    (float32 / float64 lanes: SSE2/NEON 4 / 2, AVX2 8 / 4, AVX-512 16 / 8),
+    its scores run a copy with E a constant (kernel_rows.h, FA_ROW_RUN);
+    other E the general loop (the scalar set takes the lane layout for one
+    row). S = 1299: a ragged last block, keys not a multiple of 4."""
+    rng = np.random.default_rng(E)
+    shape = (2, 3, 3, 1, 1299, E, E)
+    q, k, v = _inputs(rng, shape, dtype)
+    for opts in ({}, {"kv_lengths": "random", "causal": True}):
+        kw = _options(rng, opts, shape)
+        out = fastattn.attention(q, k, v, **kw)
+        ref = fastattn.reference.attention(q, k, v, **kw)
+        np.testing.assert_allclose(out, ref, rtol=0, atol=tolerance(q, k, v, **kw))
+
+
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1], SHAPES[3], SHAPES[6]], ids=lambda s: "x".join(map(str, s)))
 def test_split_kv_bitwise_for_every_thread_count(shape):
     rng = np.random.default_rng(7)

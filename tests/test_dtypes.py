@@ -101,6 +101,16 @@ def test_storage_dtype_one_row_over_long_runs(isa, kv):
 
 
 @pytest.mark.parametrize("kv", KV_KINDS)
+def test_storage_dtype_one_row_at_head_dims_of_whole_vectors(isa, kv):
+    """One row a head at E = 4, 8 and 16 vectors of every ISA's float32 width,
+    where the scores run with E a constant (FA_ROW_RUN), int8 four keys at a
+    time summed by one tree (v_hsums4); E = 48 takes the general loop."""
+    for E in (16, 32, 48, 64, 128, 256):
+        q, k, v, kw = _case((2, 4, 4, 1, 1299, E, E), kv, "float32", "causal_kvlen")
+        check(fastattn.attention(q, k, v, **kw), q, k, v, q.dtype, **kw)
+
+
+@pytest.mark.parametrize("kv", KV_KINDS)
 def test_storage_dtype_eight_rows_in_passes(isa, kv):
     """g = 8 query heads a K/V head, one new row each: items of 8 rows, whose
     P·V runs over V in passes of a few vectors (2 on the amx set, 4
