@@ -136,10 +136,12 @@ static inline __attribute__((always_inline)) void FN(dot_scores_n)(
          * the AVX2 set forced 0.93-1.02: "Stop 35"). */
 #define FA_ROW_RUN(e) \
     for (; jj + FA_ROW_KEYS <= nk; jj += FA_ROW_KEYS) FN(dot_scores_row)(st, qs, k, k_rs, e, j0 + jj)
-        if (R == 1 && E == 4 * W) FA_ROW_RUN(4 * W);
-        else if (R == 1 && E == 8 * W) FA_ROW_RUN(8 * W);
-        else if (R == 1 && E == 16 * W) FA_ROW_RUN(16 * W);
-        else if (R == 1) FA_ROW_RUN(E);
+        if (R == 1) {
+            if (E == 4 * W) FA_ROW_RUN(4 * W);
+            else if (E == 8 * W) FA_ROW_RUN(8 * W);
+            else if (E == 16 * W) FA_ROW_RUN(16 * W);
+            else FA_ROW_RUN(E);
+        }
 #undef FA_ROW_RUN
         for (; jj < nk; jj++) {
             const KV *kj = k + (j0 + jj) * k_rs, *vj = v + (j0 + jj) * v_rs;
