@@ -94,6 +94,14 @@ _Static_assert(FA_BK % W == 0, "rows of st hold whole vectors of scores");
 #define FA_ROW_PF_V_ROWS 0
 #endif
 #define FA_ROW_PF (FA_ROW_PF_BYTES > 0 && (int)sizeof(KV) >= FA_ROW_PF_BYTES)
+/* One row asks (its K burst and its V rows) only for storage of at most
+ * FA_ROW1_PF_MAX_BYTES bytes an element: on Zen 3 one float32 or 16-bit row
+ * read from memory faster with no software prefetch at all, int8 slower
+ * ("Stop 36"). Items of several rows are not affected. */
+#ifndef FA_ROW1_PF_MAX_BYTES
+#define FA_ROW1_PF_MAX_BYTES 8
+#endif
+#define FA_ROW1_PF (FA_ROW_PF && (int)sizeof(KV) <= FA_ROW1_PF_MAX_BYTES)
 /* Items of R rows where FA_ROWS_PF_V_NOW(R) holds ask for this block's V rows
  * while they compute its scores, a line with each line of K (0: never). With
  * several rows a key costs many multiply-adds, so V, asked for then, is there
@@ -108,7 +116,7 @@ static inline __attribute__((always_inline)) void FN(dot_scores_row)(
     const int64_t full = E / W, tail = E % W;
     VT acc[FA_ROW_KEYS];
     for (int t = 0; t < FA_ROW_KEYS; t++) {
-        if (FA_ROW_PF) fa_prefetch_l2_kept(k + (j0 + t + FA_BK) * k_rs, E * (int64_t)sizeof(KV));
+        if (FA_ROW1_PF) fa_prefetch_l2_kept(k + (j0 + t + FA_BK) * k_rs, E * (int64_t)sizeof(KV));
         acc[t] = (VT){0};
     }
     for (int64_t u = 0; u < full; u++)
@@ -187,7 +195,7 @@ static inline __attribute__((always_inline)) void FN(values_group)(
     int64_t pf_bytes, int64_t nb, int g, int64_t whole_vecs, int64_t tail) {
     for (int64_t j = 0; j < nb; j++) {
         const KV *vj = v + j * v_rs;
-        if (FA_ROW_PF && R <= FA_ROW_PF_V_ROWS) fa_prefetch_l2_kept(pf + j * v_rs, pf_bytes);
+        if (FA_ROW_PF && R <= FA_ROW_PF_V_ROWS && (R > 1 || FA_ROW1_PF)) fa_prefetch_l2_kept(pf + j * v_rs, pf_bytes);
         for (int i = 0; i < G; i++) {
             if (!whole && i >= g) break;
             const VT vv = whole || i < whole_vecs ? FN(kv_load)(vj + i * W) : FN(kv_load_part)(vj + i * W, (int)tail);

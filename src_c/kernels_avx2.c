@@ -15,10 +15,18 @@
 #endif
 /* Row layout (kernel_rows.h): a whole row of E = 128 at once, for grouped
  * rows too (measured on Zen 3: docs/tuning.md); the next block's K and V
- * rows asked for in every dtype and row count (measured on Zen 4 with this
- * set forced, "Stop 26"). */
+ * rows asked for in every dtype by items of several rows (measured on Zen 4
+ * with this set forced, "Stop 26"). One row, measured on a real Zen 3
+ * ("Stop 36", 1x32x1x4096x128 from memory, 1 / 2 threads): a key at a
+ * time (int8 four), its scores in runs of 64 blocks, and no prefetch but
+ * for int8 took float32 0.74 / 0.85 of the time of four keys with the
+ * prefetches, float16 0.80 / 0.85, bfloat16 0.81, int8 0.84 / 0.89, float32
+ * from cache 0.74; without the prefetch, int8 had taken 1.21. */
 #define FA_ROW_GROUP 16
 #define FA_ROWS_WHOLE_MAX FA_ROWS_MAX
+#define FA_ROW_KEYS (sizeof(KV) == 1 ? 4 : 1)
+#define FA_ROW_SUPER 64
 #define FA_ROW_PF_BYTES 1
+#define FA_ROW1_PF_MAX_BYTES 1
 #define FA_ROW_PF_V_ROWS FA_ROWS_MAX
 #include "kernel_isa.h"
