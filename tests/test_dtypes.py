@@ -93,7 +93,7 @@ def test_storage_dtype_matches_reference(isa, shape, kv, qk, opt):
 @pytest.mark.parametrize("kv", ["float16", "int8"])  # 2 bytes a key element, and 1
 def test_storage_dtype_one_row_over_long_runs(isa, kv):
     """One row a head and 32 heads, so the driver does not split the keys:
-    each item scores runs of 64 key blocks (FA_ROW_SUPER on AVX-512), int8
+    each item scores runs of 64 key blocks (FA_ROW_SUPER on AVX-512 and AVX2), int8
     four keys at a time, with a short last run and a ragged last block."""
     q, k, v, kw = _case((2, 16, 16, 1, 4200, 24, 40), kv, "float32", "causal_kvlen")
     assert _api.plan(q, k, v, **kw)[0]["key_chunks"] == 1
