@@ -79,6 +79,13 @@ _Static_assert(FA_BK % W == 0, "rows of st hold whole vectors of scores");
 #ifndef FA_ROW_SHORT_G4
 #define FA_ROW_SHORT_G4 0
 #endif
+/* Items of 2 to FA_ROWS_WHOLE_MAX rows of over 8 vectors over converting
+ * storage (16-bit, int8) take P·V FA_ROWS_CONVERT_G vectors at a time where
+ * a set names it (0: FA_ROW_GROUP, as float32): the widening needs
+ * registers too. */
+#ifndef FA_ROWS_CONVERT_G
+#define FA_ROWS_CONVERT_G 0
+#endif
 /* The block prefetches: one row's scores (dot_scores_row) ask for the next
  * block's K rows in a burst of FA_ROW_KEYS rows before the sums, and P·V for
  * the next block's V rows for items of up to FA_ROW_PF_V_ROWS rows, for
@@ -225,7 +232,8 @@ static inline __attribute__((always_inline)) void FN(values_group)(
  * 34"). A whole row of 4 vectors or fewer takes G = 4 there
  * (FA_ROW_SHORT_G4): the loop of constant length
  * (E = 64, 4 rows: 0.59x with G = 4 against 0.93x with G = 8). */
-_Static_assert(FA_ROWS_MANY_G <= FA_ROW_GROUP && FA_ROW_GROUP >= 8, "acc holds G vectors a row");
+_Static_assert(FA_ROWS_MANY_G <= FA_ROW_GROUP && FA_ROWS_CONVERT_G <= FA_ROW_GROUP && FA_ROW_GROUP >= 8,
+               "acc holds G vectors a row");
 static inline __attribute__((always_inline)) void FN(dot_values_n)(
     const int R, const int G, VT *os, int64_t nEv, const T *st, const KV *v, int64_t v_rs, int64_t Ev, int64_t nb,
     const T *alpha, int first) {
@@ -404,6 +412,7 @@ static void FN(rows_item)(const fa_plan *p, const fa_item *it, void *scratch) {
     if (R > FA_ROWS_WHOLE_MAX) FA_VALUES(R, FA_ROWS_MANY_G);                \
     else if (FA_ROW_SHORT_G4 && nEv <= 4) FA_VALUES(R, 4);                  \
     else if (nEv <= 8 || (FA_CONVERTS && R == 1)) FA_VALUES(R, 8);          \
+    else if (FA_ROWS_CONVERT_G && FA_CONVERTS) FA_VALUES(R, FA_ROWS_CONVERT_G); \
     else FA_VALUES(R, FA_ROW_GROUP);
         FA_BY_ROWS(rows, FA_CALL)
 #undef FA_VALUES

@@ -21,9 +21,14 @@
  * time (int8 four), its scores in runs of 64 blocks, and no prefetch but
  * for int8 took float32 0.74 / 0.85 of the time of four keys with the
  * prefetches, float16 0.80 / 0.85, bfloat16 0.81, int8 0.84 / 0.89, float32
- * from cache 0.74; without the prefetch, int8 had taken 1.21. */
+ * from cache 0.74; without the prefetch, int8 had taken 1.21. Grouped
+ * rows of 16-bit or int8 storage take P·V 4 vectors at a time (int8 2), not
+ * a whole row: on Zen 3 (1x32/8x1x8192x128, 1 thread) float16 took 0.82 of
+ * the time, int8 0.77; the AVX2 set forced on a Xeon measured 0.97-1.01
+ * ("Stop 36", on the Xeon). */
 #define FA_ROW_GROUP 16
 #define FA_ROWS_WHOLE_MAX FA_ROWS_MAX
+#define FA_ROWS_CONVERT_G (sizeof(KV) == 1 ? 2 : 4)
 #define FA_ROW_KEYS (sizeof(KV) == 1 ? 4 : 1)
 #define FA_ROW_SUPER 64
 #define FA_ROW_PF_BYTES 1

@@ -121,6 +121,18 @@ def test_storage_dtype_eight_rows_in_passes(isa, kv):
 
 
 @pytest.mark.parametrize("kv", KV_KINDS)
+def test_storage_dtype_grouped_rows_in_passes(isa, kv):
+    """2, 3 and 4 query heads a K/V head with rows of over 8 vectors: on avx2
+    16-bit and int8 storage take P·V 4 and 2 vectors at a time
+    (FA_ROWS_CONVERT_G), whole passes (Ev = 128) and a one-vector last pass
+    (Ev = 136: 17 vectors of 8); the AVX-512 sets take 8 at a time, as for
+    float32."""
+    for shape in [(1, 8, 2, 1, 1100, 72, 136), (2, 6, 2, 1, 800, 128, 128), (1, 4, 2, 1, 900, 136, 128)]:
+        q, k, v, kw = _case(shape, kv, "float32", "causal_kvlen")
+        check(fastattn.attention(q, k, v, **kw), q, k, v, q.dtype, **kw)
+
+
+@pytest.mark.parametrize("kv", KV_KINDS)
 def test_storage_dtype_bitwise_across_threads(kv):
     q, k, v, kw = _case((2, 8, 2, 70, 1100, 64, 64), kv, "bfloat16", "causal_kvlen")
     base, base_lse = fastattn.attention(q, k, v, num_threads=1, return_lse=True, **kw)

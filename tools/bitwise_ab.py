@@ -33,6 +33,8 @@ SHAPES = [
     (1, 2, 2, 113, 97, 80, 80),
     (1, 32, 8, 2, 1030, 8, 8),
     (1, 4, 4, 1, 4000, 128, 128),
+    (1, 8, 2, 1, 777, 136, 136),   # grouped rows of over 8 AVX2 vectors (P·V in parts)
+    (1, 8, 1, 1, 900, 128, 128),   # multi-query: 8 rows to a K/V head
 ]
 
 OPTIONS = [
