@@ -290,6 +290,31 @@ def test_runnable_kernels_read_the_cpu_flags_as_the_dispatch_does(tmp_path):
         assert here - {"amx"} <= found
 
 
+def test_decode_timing_tool_builds_and_times_every_storage_dtype(c_library, tmp_path):
+    """tools/decode_timing.c (the kernel A/Bs of docs/tuning.md) links against
+    the library and prints a positive median for each storage dtype, causal
+    too; a wrong dtype is refused with a usage message; tools/decode_ab.py
+    runs two builds in turn and prints both medians and their ratio."""
+    if not (REPO / "tools" / "decode_timing.c").is_file():
+        pytest.skip("no tools/ in this tree (an sdist holds the library and its tests only)")
+    (tmp_path / "a").mkdir()
+    exe = _link(c_library, REPO / "tools" / "decode_timing.c", tmp_path / "a" / "decode_timing")
+    for dtype in ("f32", "f16", "bf16", "i8"):
+        for causal in ("0", "1"):
+            r = _run([str(exe), dtype, "1", "4", "2", "2", "130", "40", "2", "3", "2", causal])
+            assert float(r.stdout) > 0, r.stdout
+    r = subprocess.run([str(exe), "f64", *"1 1 1 1 1 8 1 1 1".split()], capture_output=True, text=True)
+    assert r.returncode == 2 and "DTYPE must be f32, f16, bf16 or i8" in r.stderr
+    (tmp_path / "b").mkdir()
+    shutil.copy(exe, tmp_path / "b" / "decode_timing")
+    r = _run([sys.executable, "tools/decode_ab.py", "run", "2", "i8 1 2 1 1 70 24 1 2 1",
+              str(tmp_path / "a"), str(tmp_path / "b")])
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("i8 1 2 1 1 70 24 1 2 1 (") and "2 rounds" in lines[0]
+    assert re.fullmatch(r"  .*/b: median [0-9.]+ ms; over .*/a: median [0-9.]+ \(min [0-9.]+, max [0-9.]+\)",
+                        lines[2]), lines
+
+
 def test_manifest_flags_keep_fma_and_portability():
     flags = [f for _, own in MANIFEST.steps("x86_64") for f in own] + MANIFEST.cflags("x86_64")
     assert "-std=gnu99" in flags and "-std=c99" not in flags   # c99 turns FMA contraction off
