@@ -24,7 +24,7 @@
  * from cache 0.74; without the prefetch, int8 had taken 1.21. Grouped
  * rows of 16-bit or int8 storage take P·V 4 vectors at a time (int8 2), not
  * a whole row: on Zen 3 (1x32/8x1x8192x128, 1 thread) float16 took 0.82 of
- * the time, int8 0.77; the AVX2 set forced on a Xeon measured 0.97-1.01
+ * the time, int8 0.77; the AVX2 set forced on a Xeon measured 0.98-1.03
  * ("Stop 36", on the Xeon). */
 #define FA_ROW_GROUP 16
 #define FA_ROWS_WHOLE_MAX FA_ROWS_MAX

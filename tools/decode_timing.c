@@ -73,15 +73,15 @@ static void put(int dtype, void *base, size_t i, float x) {
 }
 
 int main(int argc, char **argv) {
-    static const char *names[] = {"f32", "", "f16", "bf16", "i8"};
-    static const int codes[] = {FA_F32, 0, FA_F16, FA_BF16, FA_I8};
+    static const char *names[] = {"f32", "f16", "bf16", "i8"};
+    static const int codes[] = {FA_F32, FA_F16, FA_BF16, FA_I8};
     if (argc < 11 || argc > 12) {
         fprintf(stderr, "usage: decode_timing f32|f16|bf16|i8 B HQ HKV L S E THREADS CALLS COPIES [CAUSAL]\n");
         return 2;
     }
     int dtype = 0;
-    for (int d = 0; d < 5; d++)
-        if (*names[d] && !strcmp(argv[1], names[d])) dtype = codes[d];
+    for (int d = 0; d < 4; d++)
+        if (!strcmp(argv[1], names[d])) dtype = codes[d];
     const int64_t B = atoll(argv[2]), Hq = atoll(argv[3]), Hkv = atoll(argv[4]), L = atoll(argv[5]),
                   S = atoll(argv[6]), E = atoll(argv[7]);
     const int threads = atoi(argv[8]), calls = atoi(argv[9]), copies = atoi(argv[10]);
