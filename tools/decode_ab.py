@@ -55,7 +55,7 @@ def run(rounds, args, dirs):
             if done.returncode:
                 sys.exit(f"decode_ab: {programs[i]} {args} exited {done.returncode}: {done.stderr.strip()}")
             times[i].append(float(done.stdout))
-    print(f"{args} (FASTATTN_ISA={env.get('FASTATTN_ISA', 'default')}, {rounds} rounds)")
+    print(f"{args} (FASTATTN_ISA={env.get('FASTATTN_ISA', 'default')}, Q_DTYPE={env.get('Q_DTYPE', 'f32')}, {rounds} rounds)")
     for d, t in zip(dirs, times):
         ratios = [x / a for x, a in zip(t, times[0])]
         print(f"  {d}: median {statistics.median(t):.4f} ms; over {dirs[0]}: median {statistics.median(ratios):.3f} "

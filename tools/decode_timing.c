@@ -6,7 +6,9 @@
  *   decode_timing DTYPE B HQ HKV L S E THREADS CALLS COPIES [CAUSAL]
  *
  * DTYPE is K's and V's storage: f32, f16, bf16 or i8 (one float32 scale per
- * row); q and out are float32. COPIES sets of K and V are used in turn, so
+ * row); q and out are float32, or Q_DTYPE's (f32, f16, bf16) where the
+ * environment sets it: bfloat16 q, K, V and out take the AMX tiles where the
+ * CPU has them (prefill: L > 8 rows a K/V head). COPIES sets of K and V are used in turn, so
  * that with enough of them (their bytes well past the last-level cache) each
  * call reads K and V from memory, as each layer of a model reads its own
  * cache; COPIES 1 reads them from cache. HUGE=1 in the environment asks for
@@ -90,9 +92,21 @@ int main(int argc, char **argv) {
                         "at least 1, THREADS at least 0 (0: OpenMP's default)\n");
         return 2;
     }
+    int q_dtype = FA_F32;
+    const char *q_name = getenv("Q_DTYPE");
+    if (q_name && *q_name) {
+        q_dtype = 0;
+        for (int d = 0; d < 3; d++)
+            if (!strcmp(q_name, names[d])) q_dtype = codes[d];
+        if (!q_dtype) {
+            fprintf(stderr, "decode_timing: Q_DTYPE must be f32, f16 or bf16, not %s\n", q_name);
+            return 2;
+        }
+    }
     const size_t item = dtype == FA_F32 ? 4 : dtype == FA_I8 ? 1 : 2, n_kv = (size_t)(B * Hkv * S * E);
-    float *q = buffer((size_t)(B * Hq * L * E) * 4), *out = buffer((size_t)(B * Hq * L * E) * 4);
-    for (int64_t i = 0; i < B * Hq * L * E; i++) q[i] = uniform();
+    const size_t q_item = q_dtype == FA_F32 ? 4 : 2;
+    void *q = buffer((size_t)(B * Hq * L * E) * q_item), *out = buffer((size_t)(B * Hq * L * E) * q_item);
+    for (int64_t i = 0; i < B * Hq * L * E; i++) put(q_dtype, q, (size_t)i, uniform());
     void **k = malloc(copies * sizeof *k), **v = malloc(copies * sizeof *v);
     float **k_scale = malloc(copies * sizeof *k_scale), **v_scale = malloc(copies * sizeof *v_scale);
     for (int c = 0; c < copies; c++) {
@@ -110,7 +124,7 @@ int main(int argc, char **argv) {
     fa_args a;
     fa_args_init(&a);
     a.dtype = dtype;
-    a.q_dtype = a.out_dtype = FA_F32;
+    a.q_dtype = a.out_dtype = q_dtype;
     a.B = B, a.Hq = Hq, a.Hkv = Hkv, a.L = L, a.S = S, a.E = a.Ev = E;
     a.q = q, a.out = out;
     a.q_stride[0] = a.out_stride[0] = Hq * L * E;
