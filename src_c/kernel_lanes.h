@@ -362,28 +362,53 @@ static __attribute__((noinline)) void FN(lanes_modify)(const fa_args *a, VT *st,
  * tolerance from 2^16 keys (docs/tuning.md); this way the error is that of
  * FA_FOLD blocks' plain sum plus about 2u, whatever S. The numerator and
  * the denominator take the same beta, so its rounding moves both alike and
- * barely the quotient. first: the totals are empty (no fold yet), so they
- * are set, not added to. Rows with no visible key yet (m = −inf) keep 0. */
-static void FN(lanes_fold)(int nvc, int64_t Ev, CN(lanes_bufs) s, int first) {
+ * barely the quotient. Rows with no visible key yet (m = −inf) keep 0.
+ * last: the item's final fold, which leaves the totals' values x + e
+ * (comp_value) in ot and l, as the store wants them, without writing the
+ * totals back: one pass over them, not two. tc_zero: tc holds zeros (only
+ * the first fold has been), which are not read. */
+static inline __attribute__((always_inline)) void FN(lanes_fold_n)(const int last, const int tc_zero, int nvc,
+                                                                   int64_t Ev, CN(lanes_bufs) s) {
     const T log2e = (T)1.4426950408889634074;
     for (int u = 0; u < nvc; u++) {
         const VT m_sub = FN(v_select)((VU)(s.m[u] == FN(v_splat)(-(T)INFINITY)), (VT){0}, s.m[u]);
-        const VT beta = first ? (VT){0} : FN(v_exp2)((s.mt[u] - m_sub) * log2e);
-        if (first) s.lt[u] = s.lc[u] = (VT){0};
+        const VT beta = FN(v_exp2)((s.mt[u] - m_sub) * log2e);
         FN(v_comp_step)(&s.lt[u], &s.lc[u], beta, s.l[u]);
         s.mt[u] = s.m[u];
+        if (last) s.l[u] = FN(comp_value)(s.lt[u], s.lc[u]);
         for (int64_t i = u; i < Ev * FA_NV; i += FA_NV) {
-            if (first) s.tot[i] = s.tc[i] = (VT){0};
-            FN(v_comp_step)(&s.tot[i], &s.tc[i], beta, s.ot[i]);
+            VT x = s.tot[i], e = tc_zero ? (VT){0} : s.tc[i];
+            FN(v_comp_step)(&x, &e, beta, s.ot[i]);
+            if (last) s.ot[i] = FN(comp_value)(x, e);
+            else s.tot[i] = x, s.tc[i] = e;
         }
     }
 }
+static void FN(lanes_fold)(int nvc, int64_t Ev, CN(lanes_bufs) s, int tc_zero) {
+    if (tc_zero) FN(lanes_fold_n)(0, 1, nvc, Ev, s);
+    else FN(lanes_fold_n)(0, 0, nvc, Ev, s);
+}
+static void FN(lanes_fold_last)(int nvc, int64_t Ev, CN(lanes_bufs) s, int tc_zero) {
+    if (tc_zero) FN(lanes_fold_n)(1, 1, nvc, Ev, s);
+    else FN(lanes_fold_n)(1, 0, nvc, Ev, s);
+}
 
-/* The totals, rounded once, into ot and l for the store. */
-static void FN(lanes_unfold)(int nvc, int64_t Ev, CN(lanes_bufs) s) {
+/* The first fold, into empty totals: a compensated step with beta = 0 there
+ * gives tot = ot and tc = 0 exactly, lt = l and lc = 0 (where ot is inf or
+ * NaN, tot is too, and comp_value ignores tc from then on). So ot's buffer
+ * simply becomes the total, and the total's buffer takes the next plain sum
+ * (whose first block starts Oᵀ from 0); tc is not even cleared: the next
+ * fold reads zeros in its place (tc_zero). On the amx
+ * set's bfloat16 prefill the passes over ot, tot and tc were a tenth of the
+ * time (docs/tuning.md, "Stop 37"). */
+static void FN(lanes_fold_first)(int nvc, CN(lanes_bufs) *s) {
+    VT *const ot = s->ot;
+    s->ot = s->tot;
+    s->tot = ot;
     for (int u = 0; u < nvc; u++) {
-        s.l[u] = FN(comp_value)(s.lt[u], s.lc[u]);
-        for (int64_t i = u; i < Ev * FA_NV; i += FA_NV) s.ot[i] = FN(comp_value)(s.tot[i], s.tc[i]);
+        s->lt[u] = s->l[u];
+        s->lc[u] = (VT){0};
+        s->mt[u] = s->m[u];
     }
 }
 
@@ -529,17 +554,15 @@ static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, FN(lanes_sub) 
                 CN(values_tile)(nvc, s.ot, v_blk, v_rs, s.st, Ev, nb, j0 == u->fresh ? 0 : s.alpha, ask, n_next);
             }
             if (j0 + FA_BK < u->f.j_end && j0 + FA_BK - u->fresh == FA_FOLD * FA_BK) {
-                CN(lanes_fold)(nvc, Ev, s, !u->folds++);
+                if (u->folds++) CN(lanes_fold)(nvc, Ev, s, u->folds == 2);
+                else CN(lanes_fold_first)(nvc, &u->s);
                 u->fresh = j0 + FA_BK;
                 for (int w = 0; w < nvc; w++) s.l[w] = (VT){0};
             }
         }
     }
     for (int g = 0; g < n; g++)
-        if (subs[g]->folds) {
-            CN(lanes_fold)(subs[g]->nvc, Ev, subs[g]->s, 0);
-            CN(lanes_unfold)(subs[g]->nvc, Ev, subs[g]->s);
-        }
+        if (subs[g]->folds) CN(lanes_fold_last)(subs[g]->nvc, Ev, subs[g]->s, subs[g]->folds == 1);
 #undef FA_ROW_SCALE
 }
 
