@@ -50,8 +50,8 @@ typedef struct FN(amx_tag) {
 typedef struct FN(amx_bufs) {
     int64_t *ready;   /* 0 until the thread's first item of the call clears the tags */
     uint16_t *qv;     /* Qᵀ pairs: FA_NV blocks of E/2 rows × 16 lanes × 2 */
-    uint16_t *pv_hi;  /* the block's P, high halves: FA_NV blocks of FA_BK/2 rows × 16 × 2 */
-    uint16_t *pv_lo;  /* and the low halves */
+    uint16_t *pv_hi[2]; /* a block's P, high halves: FA_NV blocks of FA_BK/2 rows × 16 × 2; two blocks' */
+    uint16_t *pv_lo[2]; /* and the low halves (see amx_values) */
     uint16_t *kpad;   /* the last keys of a block when fewer than 16: 16 rows × E, zero-filled */
     FN(amx_tag) *tags; /* slots: which block each holds */
     uint16_t *vt;     /* slots of a block's Vᵀ each: Ev rows × FA_BK keys */
@@ -60,7 +60,7 @@ typedef struct FN(amx_bufs) {
 
 static size_t FN(amx_bytes)(int64_t E, int64_t Ev, int64_t S) {
     const size_t slots = (size_t)FN(amx_slots)(S);
-    return FN(round_up)((size_t)FA_NV * E * 16 * 2) + 2 * FN(round_up)((size_t)FA_NV * FA_BK * 16 * 2) +
+    return FN(round_up)((size_t)FA_NV * E * 16 * 2) + 4 * FN(round_up)((size_t)FA_NV * FA_BK * 16 * 2) +
            FN(round_up)((size_t)16 * E * 2) + FN(round_up)(slots * sizeof(FN(amx_tag))) +
            slots * FN(round_up)((size_t)Ev * FA_BK * 2);
 }
@@ -72,8 +72,10 @@ static FN(amx_bufs) FN(amx_carve)(int64_t *ready, char *p, int64_t E, int64_t Ev
     x.ready = ready;
     x.slots = FN(amx_slots)(S);
     x.qv = (uint16_t *)p;    p += FN(round_up)((size_t)FA_NV * E * 16 * 2);
-    x.pv_hi = (uint16_t *)p; p += FN(round_up)((size_t)FA_NV * FA_BK * 16 * 2);
-    x.pv_lo = (uint16_t *)p; p += FN(round_up)((size_t)FA_NV * FA_BK * 16 * 2);
+    for (int h = 0; h < 2; h++) {
+        x.pv_hi[h] = (uint16_t *)p; p += FN(round_up)((size_t)FA_NV * FA_BK * 16 * 2);
+        x.pv_lo[h] = (uint16_t *)p; p += FN(round_up)((size_t)FA_NV * FA_BK * 16 * 2);
+    }
     x.kpad = (uint16_t *)p;  p += FN(round_up)((size_t)16 * E * 2);
     x.tags = (FN(amx_tag) *)p; p += FN(round_up)((size_t)x.slots * sizeof(FN(amx_tag)));
     x.vt = (uint16_t *)p;
@@ -299,7 +301,7 @@ static inline __attribute__((always_inline)) VT FN(amx_exp_pairs)(const int natu
  * so |p − hi − lo| ≤ 2^-17·p. The hi words, read as floats, give back
  * hi itself: the high half of a word is hi(p_2i+1), the low half shifted up
  * hi(p_2i). */
-static void FN(amx_softmax)(const FN(amx_bufs) *x, int nvc, const VT *st, int64_t nb, VT *m, VT *l,
+static void FN(amx_softmax)(const FN(amx_bufs) *x, int set, int nvc, const VT *st, int64_t nb, VT *m, VT *l,
                             VT *alpha, T scale) {
     const VT neg_inf = FN(v_splat)(-(T)INFINITY), sc = FN(v_splat)(scale);
     const T log2e = (T)1.4426950408889634074;
@@ -315,7 +317,7 @@ static void FN(amx_softmax)(const FN(amx_bufs) *x, int nvc, const VT *st, int64_
          * in every lane and amx_values skips rescaling Oᵀ. p ≤ e^FA_AMX_LAG. */
         const VT m_new = FN(v_select)((VU)(cand > m[u] + FN(v_splat)(FA_AMX_LAG)), cand, m[u]);
         const VT m_sub = FN(v_select)((VU)(m_new == neg_inf), FN(v_splat)(0), m_new);
-        uint16_t *hi_u = x->pv_hi + u * FA_BK / 2 * 32, *lo_u = x->pv_lo + u * FA_BK / 2 * 32;
+        uint16_t *hi_u = x->pv_hi[set] + u * FA_BK / 2 * 32, *lo_u = x->pv_lo[set] + u * FA_BK / 2 * 32;
         const VT sum = scale == 1 ? FN(amx_exp_pairs)(1, st, u, nb, sc, m_sub, m_sub, hi_u, lo_u)
                                   : FN(amx_exp_pairs)(0, st, u, nb, sc * log2e, m_sub * log2e, m_sub, hi_u, lo_u);
         alpha[u] = FN(v_exp2)((m[u] - m_sub) * log2e);
@@ -324,25 +326,51 @@ static void FN(amx_softmax)(const FN(amx_bufs) *x, int nvc, const VT *st, int64_
     }
 }
 
-/* Oᵀ := Oᵀ·alpha + Vᵀ·Pᵀ over the nb keys of a block (alpha NULL: Oᵀ := Vᵀ·Pᵀ),
- * P from amx_softmax.
+/* The slot that holds (or will hold) the block at j0: the last is the spare. */
+static int64_t FN(amx_slot)(const FN(amx_bufs) *x, int64_t j0) {
+    return j0 / FA_BK < x->slots - 1 ? j0 / FA_BK : x->slots - 1;
+}
+
+/* One key block of P·V: its first key, its keys, and which of the two P
+ * buffers amx_softmax wrote it into. */
+typedef struct FN(amx_block) {
+    int64_t j0, nb;
+    int set;
+} FN(amx_block);
+
+/* Oᵀ := Oᵀ·alpha + Vᵀ·Pᵀ over the keys of n (1 or 2) consecutive key blocks
+ * (alpha NULL: Oᵀ := Vᵀ·Pᵀ), P from amx_softmax; two blocks only where the
+ * second's alpha would leave Oᵀ as it is (see lanes_blocks) and they use
+ * different slots.
  * The old Oᵀ is rescaled in place and loaded as the accumulator; two Ev
- * tiles against two lane blocks at a time (C tmm0–3, Vᵀ tmm4–5, P tmm6–7). */
+ * tiles against two lane blocks at a time (C tmm0–3, Vᵀ tmm4–5, P tmm6–7).
+ * The tile products add the blocks' key chunks in order into C, which is
+ * loaded and stored exactly, so two blocks at once give the bits of two
+ * calls; they halve the loads and stores of C, and the wait for each C's
+ * last product before its store: on the amx set, a second call per block
+ * had cost bfloat16 1×8×1024×1024×128 0.35 of its time, twice the products
+ * in one call 0.24 (docs/tuning.md, "Stop 37"). */
 static void FN(amx_values)(const FN(amx_bufs) *x, VT *ot, const fa_item *it, const uint16_t *v, int64_t v_rs,
-                           int64_t j0, int64_t nb, int64_t Ev, int nvc, const VT *alpha) {
-    const int64_t slot = j0 / FA_BK < x->slots - 1 ? j0 / FA_BK : x->slots - 1; /* the last: the spare */
-    FN(amx_tag) *tag = &x->tags[slot];
-    uint16_t *vt = x->vt + slot * (FN(round_up)((size_t)Ev * FA_BK * 2) / 2);
-    if (tag->b != it->b || tag->hk != it->hk || tag->j0 != j0 || tag->nb != nb) {
-        FN(amx_pack_v)(vt, v + j0 * v_rs, v_rs, nb, Ev);
-        *tag = (FN(amx_tag)){it->b, it->hk, j0, nb};
+                           const FN(amx_block) *blk, int n, int64_t Ev, int nvc, const VT *alpha) {
+    const uint16_t *vts[2];
+    int64_t chunks[2];
+    for (int b = 0; b < n; b++) {
+        const int64_t j0 = blk[b].j0, nb = blk[b].nb, slot = FN(amx_slot)(x, j0);
+        FN(amx_tag) *tag = &x->tags[slot];
+        uint16_t *vt = x->vt + slot * (FN(round_up)((size_t)Ev * FA_BK * 2) / 2);
+        if (tag->b != it->b || tag->hk != it->hk || tag->j0 != j0 || tag->nb != nb) {
+            FN(amx_pack_v)(vt, v + j0 * v_rs, v_rs, nb, Ev);
+            *tag = (FN(amx_tag)){it->b, it->hk, j0, nb};
+        }
+        vts[b] = vt;
+        chunks[b] = (nb + 31) / 32;
     }
     /* alpha is exactly 1 in every lane whose max did not move: most blocks past the first few */
     for (int u = 0; alpha && u < nvc; u++)
         if (_mm512_cmp_ps_mask((__m512)alpha[u], _mm512_set1_ps(1), _CMP_NEQ_UQ))
             for (int64_t e = 0; e < Ev; e++) ot[e * FA_NV + u] *= alpha[u];
     T *ot_f = (T *)ot;
-    const int64_t groups = Ev / 16, chunks = (nb + 31) / 32;
+    const int64_t groups = Ev / 16;
     for (int64_t g = 0; g < groups; g += 2) {
         const int two_g = g + 1 < groups;
         for (int u = 0; u < nvc; u += 2) {
@@ -359,21 +387,22 @@ static void FN(amx_values)(const FN(amx_bufs) *x, VT *ot, const fa_item *it, con
                 _tile_zero(2);
                 _tile_zero(3);
             }
-            for (int64_t c = 0; c < chunks; c++) {
-                const uint16_t *halves[2] = {x->pv_hi, x->pv_lo};
-                _tile_loadd(4, vt + g * 16 * FA_BK + c * 32, FA_BK * 2);
-                if (two_g) _tile_loadd(5, vt + (g + 1) * 16 * FA_BK + c * 32, FA_BK * 2);
-                for (int h = 0; h < 2; h++) {
-                    _tile_loadd(6, halves[h] + (u * FA_BK / 2 + c * 16) * 32, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    if (two_g) _tile_dpbf16ps(2, 5, 6);
-                    if (two_u) {
-                        _tile_loadd(7, halves[h] + ((u + 1) * FA_BK / 2 + c * 16) * 32, 64);
-                        _tile_dpbf16ps(1, 4, 7);
-                        if (two_g) _tile_dpbf16ps(3, 5, 7);
+            for (int b = 0; b < n; b++)
+                for (int64_t c = 0; c < chunks[b]; c++) {
+                    const uint16_t *halves[2] = {x->pv_hi[blk[b].set], x->pv_lo[blk[b].set]};
+                    _tile_loadd(4, vts[b] + g * 16 * FA_BK + c * 32, FA_BK * 2);
+                    if (two_g) _tile_loadd(5, vts[b] + (g + 1) * 16 * FA_BK + c * 32, FA_BK * 2);
+                    for (int h = 0; h < 2; h++) {
+                        _tile_loadd(6, halves[h] + (u * FA_BK / 2 + c * 16) * 32, 64);
+                        _tile_dpbf16ps(0, 4, 6);
+                        if (two_g) _tile_dpbf16ps(2, 5, 6);
+                        if (two_u) {
+                            _tile_loadd(7, halves[h] + ((u + 1) * FA_BK / 2 + c * 16) * 32, 64);
+                            _tile_dpbf16ps(1, 4, 7);
+                            if (two_g) _tile_dpbf16ps(3, 5, 7);
+                        }
                     }
                 }
-            }
             _tile_stored(0, c0, BQ * 4);
             if (two_u) _tile_stored(1, c0 + 16, BQ * 4);
             if (two_g) _tile_stored(2, c2, BQ * 4);

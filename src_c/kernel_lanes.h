@@ -473,6 +473,11 @@ static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, FN(lanes_sub) 
 #if defined(FA_AMX_TILES)
     /* the tiles' scores stay unscaled unless something adds to them */
     const int scaled = modify || a->mask_kind == FA_MASK_ADD;
+    /* A key block whose P·V waits for the next block's, to run as one
+     * (amx_values): pend_n of them (0 or 1), its alpha, or fresh (Oᵀ from 0). */
+    FN(amx_block) pend = {0, 0, 0};
+    int pend_n = 0, pend_fresh = 0;
+    VT pend_alpha[FA_NV];
 #else
     (void)amx;
 #endif
@@ -545,8 +550,38 @@ static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, FN(lanes_sub) 
             FN(mask_block)((T *)s.st, 1, BQ, a, &u->f, u->lo, u->hi, u->m_row, u->it.rows, j0, nb);
 #if defined(FA_AMX_TILES)
             if (amx) {
-                FN(amx_softmax)(amx, nvc, s.st, nb, s.m, s.l, s.alpha, scaled ? 1 : (T)p->scale);
-                FN(amx_values)(amx, s.ot, &u->it, v, a->v_stride[2], j0, nb, Ev, nvc, j0 == u->fresh ? 0 : s.alpha);
+                VT m_prev[FA_NV];
+                for (int w = 0; w < nvc; w++) m_prev[w] = s.m[w];
+                const FN(amx_block) here = {j0, nb, pend_n ? !pend.set : 0};
+                FN(amx_softmax)(amx, here.set, nvc, s.st, nb, s.m, s.l, s.alpha, scaled ? 1 : (T)p->scale);
+                const int64_t v_rs_ = a->v_stride[2];
+                if (pend_n) {
+                    /* One P·V for both blocks where this block's alpha leaves
+                     * Oᵀ as it is: 1 in every lane that has seen a key (a lane
+                     * that has not holds Oᵀ = 0, which any alpha keeps). */
+                    int both = FN(amx_slot)(amx, pend.j0) != FN(amx_slot)(amx, j0);
+                    for (int w = 0; both && w < nvc; w++)
+                        if (_mm512_cmp_ps_mask((__m512)s.alpha[w], _mm512_set1_ps(1), _CMP_NEQ_UQ) &
+                            _mm512_cmp_ps_mask((__m512)m_prev[w], _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ))
+                            both = 0;
+                    const VT *pa = pend_fresh ? NULL : pend_alpha;
+                    if (both) {
+                        const FN(amx_block) two[2] = {pend, here};
+                        FN(amx_values)(amx, s.ot, &u->it, v, v_rs_, two, 2, Ev, nvc, pa);
+                    } else {
+                        FN(amx_values)(amx, s.ot, &u->it, v, v_rs_, &pend, 1, Ev, nvc, pa);
+                        FN(amx_values)(amx, s.ot, &u->it, v, v_rs_, &here, 1, Ev, nvc, s.alpha);
+                    }
+                    pend_n = 0;
+                } else if (j0 + FA_BK >= u->f.j_end || j0 + FA_BK - u->fresh == FA_FOLD * FA_BK) {
+                    /* the item's last block, or a fold follows: Oᵀ is due now */
+                    FN(amx_values)(amx, s.ot, &u->it, v, v_rs_, &here, 1, Ev, nvc, j0 == u->fresh ? 0 : s.alpha);
+                } else {
+                    pend = here;
+                    pend_n = 1;
+                    pend_fresh = j0 == u->fresh;
+                    for (int w = 0; w < nvc; w++) pend_alpha[w] = s.alpha[w];
+                }
             } else
 #endif
             {

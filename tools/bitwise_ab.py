@@ -35,6 +35,7 @@ SHAPES = [
     (1, 4, 4, 1, 4000, 128, 128),
     (1, 8, 2, 1, 777, 136, 136),   # grouped rows of over 8 AVX2 vectors (P·V in parts)
     (1, 8, 1, 1, 900, 128, 128),   # multi-query: 8 rows to a K/V head
+    (1, 2, 1, 40, 1250, 64, 64),   # lanes over 20 key blocks: folds; the amx set's P·V of two blocks at once
 ]
 
 OPTIONS = [
