@@ -546,15 +546,18 @@ static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, FN(lanes_sub) 
 #endif
                 CN(scores_tile)(nvc, s.st, k_blk, k_rs, s.qt, E, nb, ask);
             }
+            /* the sub-block's last block; a fold after this block */
+            const int last = j0 + FA_BK >= u->f.j_end, fold_due = !last && j0 + FA_BK - u->fresh == FA_FOLD * FA_BK;
+            (void)last;
             if (modify) CN(lanes_modify)(a, s.st, nvc, j0, nb, u->neg_slope, u->diag);
             FN(mask_block)((T *)s.st, 1, BQ, a, &u->f, u->lo, u->hi, u->m_row, u->it.rows, j0, nb);
 #if defined(FA_AMX_TILES)
             if (amx) {
-                VT m_prev[FA_NV];
-                for (int w = 0; w < nvc; w++) m_prev[w] = s.m[w];
+                VT m_prev[FA_NV]; /* a waiting block's test below needs the max before this block */
+                for (int w = 0; pend_n && w < nvc; w++) m_prev[w] = s.m[w];
                 const FN(amx_block) here = {j0, nb, pend_n ? !pend.set : 0};
                 FN(amx_softmax)(amx, here.set, nvc, s.st, nb, s.m, s.l, s.alpha, scaled ? 1 : (T)p->scale);
-                const int64_t v_rs_ = a->v_stride[2];
+                const int64_t v_rs_ = a->v_stride[2]; /* v_rs is the converted scratch's */
                 if (pend_n) {
                     /* One P·V for both blocks where this block's alpha leaves
                      * Oᵀ as it is: 1 in every lane that has seen a key (a lane
@@ -573,8 +576,7 @@ static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, FN(lanes_sub) 
                         FN(amx_values)(amx, s.ot, &u->it, v, v_rs_, &here, 1, Ev, nvc, s.alpha);
                     }
                     pend_n = 0;
-                } else if (j0 + FA_BK >= u->f.j_end || j0 + FA_BK - u->fresh == FA_FOLD * FA_BK) {
-                    /* the item's last block, or a fold follows: Oᵀ is due now */
+                } else if (last || fold_due) { /* Oᵀ is due now */
                     FN(amx_values)(amx, s.ot, &u->it, v, v_rs_, &here, 1, Ev, nvc, j0 == u->fresh ? 0 : s.alpha);
                 } else {
                     pend = here;
@@ -588,7 +590,7 @@ static void FN(lanes_blocks)(const fa_plan *p, const fa_item *it, FN(lanes_sub) 
                 CN(softmax_block)(nvc, s.st, nb, s.m, s.l, s.alpha);
                 CN(values_tile)(nvc, s.ot, v_blk, v_rs, s.st, Ev, nb, j0 == u->fresh ? 0 : s.alpha, ask, n_next);
             }
-            if (j0 + FA_BK < u->f.j_end && j0 + FA_BK - u->fresh == FA_FOLD * FA_BK) {
+            if (fold_due) {
                 if (u->folds++) CN(lanes_fold)(nvc, Ev, s, u->folds == 2);
                 else CN(lanes_fold_first)(nvc, &u->s);
                 u->fresh = j0 + FA_BK;

@@ -74,16 +74,21 @@ static void put(int dtype, void *base, size_t i, float x) {
     } else ((int8_t *)base)[i] = (int8_t)(x * 254.0f); /* scale 1/254 below: x to within a step */
 }
 
-int main(int argc, char **argv) {
+/* The dtype code of name among the first n of f32, f16, bf16, i8; 0: none. */
+static int dtype_code(const char *name, int n) {
     static const char *names[] = {"f32", "f16", "bf16", "i8"};
     static const int codes[] = {FA_F32, FA_F16, FA_BF16, FA_I8};
+    for (int d = 0; d < n; d++)
+        if (!strcmp(name, names[d])) return codes[d];
+    return 0;
+}
+
+int main(int argc, char **argv) {
     if (argc < 11 || argc > 12) {
         fprintf(stderr, "usage: decode_timing f32|f16|bf16|i8 B HQ HKV L S E THREADS CALLS COPIES [CAUSAL]\n");
         return 2;
     }
-    int dtype = 0;
-    for (int d = 0; d < 4; d++)
-        if (!strcmp(argv[1], names[d])) dtype = codes[d];
+    const int dtype = dtype_code(argv[1], 4);
     const int64_t B = atoll(argv[2]), Hq = atoll(argv[3]), Hkv = atoll(argv[4]), L = atoll(argv[5]),
                   S = atoll(argv[6]), E = atoll(argv[7]);
     const int threads = atoi(argv[8]), calls = atoi(argv[9]), copies = atoi(argv[10]);
@@ -92,16 +97,11 @@ int main(int argc, char **argv) {
                         "at least 1, THREADS at least 0 (0: OpenMP's default)\n");
         return 2;
     }
-    int q_dtype = FA_F32;
     const char *q_name = getenv("Q_DTYPE");
-    if (q_name && *q_name) {
-        q_dtype = 0;
-        for (int d = 0; d < 3; d++)
-            if (!strcmp(q_name, names[d])) q_dtype = codes[d];
-        if (!q_dtype) {
-            fprintf(stderr, "decode_timing: Q_DTYPE must be f32, f16 or bf16, not %s\n", q_name);
-            return 2;
-        }
+    const int q_dtype = q_name && *q_name ? dtype_code(q_name, 3) : FA_F32;
+    if (!q_dtype) {
+        fprintf(stderr, "decode_timing: Q_DTYPE must be f32, f16 or bf16, not %s\n", q_name);
+        return 2;
     }
     const size_t item = dtype == FA_F32 ? 4 : dtype == FA_I8 ? 1 : 2, n_kv = (size_t)(B * Hkv * S * E);
     const size_t q_item = q_dtype == FA_F32 ? 4 : 2;
