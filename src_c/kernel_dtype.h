@@ -127,6 +127,24 @@ static inline VT FN(kv_load)(const KV *p) {
 #endif
 }
 
+/* 2W bfloat16 elements (two whole vectors) at p, as T, in pair order: read
+ * as W 32-bit words, element 2i is word i's low half and 2i+1 its high half
+ * (little-endian), so a = words << 16 holds the even elements and
+ * b = words & 0xffff0000 the odd ones, exactly: one instruction a vector
+ * where kv_load's zero-extension and shift take two (the zero-extension a
+ * shuffle). The row layout keeps q and o in the same order (kernel_rows.h). */
+#if defined(FA_KV_BF16) && FA_MANT == 23 && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define FA_KV_PAIRS 1
+static inline __attribute__((always_inline)) void FN(kv_pair)(const KV *p, VT *a, VT *b) {
+    VU words;
+    memcpy(&words, p, sizeof words);
+    *a = (VT)(words << 16);
+    *b = (VT)(words & 0xffff0000u);
+}
+#else
+#define FA_KV_PAIRS 0
+#endif
+
 /* The first n < W elements, the rest 0 (never reads past p[n-1]). */
 static inline VT FN(kv_load_part)(const KV *p, int n) {
     VT v = {0};
@@ -415,6 +433,7 @@ static const fa_kernel FN(kernel) = {
 #undef FA_WPP
 #undef KV
 #undef FA_CONVERTS
+#undef FA_KV_PAIRS
 #undef CN
 #undef FA_AMX_TILES
 #undef FA_DPBF16_SCORES

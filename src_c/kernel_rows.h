@@ -117,6 +117,42 @@ _Static_assert(FA_BK % W == 0, "rows of st hold whole vectors of scores");
 #define FA_ROWS_PF_V_NOW(R) 0
 #endif
 
+/* One row over bfloat16 storage reads K and V in pair order (kv_pair in
+ * kernel_dtype.h): each pair of whole vectors (2c, 2c+1) of a row as its
+ * even elements, then its odd ones. q's packed row holds each pair in that
+ * order too (pairs_order at the packing), and so do the P·V sums, put back
+ * in element order at the store. A score is then the same products summed
+ * in other lanes (other bits than element order, the same for any thread
+ * count); o's elements are the same sums (the same bits). Only where one
+ * row takes every key one at a time (FA_ROW_KEYS 1: the general loop of
+ * dot_scores_n never sees it) and P·V takes G = 4 or 8 (always, for one
+ * row over converted storage). On a Xeon, 1x32x1x4096x128 from memory took
+ * 0.89-0.90 of the time with the AVX2 set (0.75 from cache) and 0.98 with
+ * AVX-512. Items of several rows keep element order: there the
+ * multiply-adds outnumber the conversions, and the pair loops measured
+ * level or slower (docs/tuning.md, "Stop 38"). */
+#if FA_KV_PAIRS
+#define FA_ROW1_PAIRS (FA_ROW_KEYS == 1)
+
+/* The first n_pairs pairs of vectors of a row of T, from element order into
+ * pair order (to_pairs) or back. */
+static void FN(pairs_order)(T *x, int64_t n_pairs, int to_pairs) {
+    for (int64_t c = 0; c < n_pairs; c++) {
+        T *y = x + 2 * c * W, t[2 * W];
+        memcpy(t, y, sizeof t);
+        for (int i = 0; i < W; i++) {
+            if (to_pairs) {
+                y[i] = t[2 * i];
+                y[W + i] = t[2 * i + 1];
+            } else {
+                y[2 * i] = t[i];
+                y[2 * i + 1] = t[W + i];
+            }
+        }
+    }
+}
+#endif
+
 /* One row, keys j0 .. j0 + FA_ROW_KEYS − 1: st[j] = q · K_j. */
 static inline __attribute__((always_inline)) void FN(dot_scores_row)(
     T *st, const VT *qs, const KV *k, int64_t k_rs, int64_t E, int64_t j0) {
@@ -126,8 +162,22 @@ static inline __attribute__((always_inline)) void FN(dot_scores_row)(
         if (FA_ROW1_PF) fa_prefetch_l2_kept(k + (j0 + t + FA_BK) * k_rs, E * (int64_t)sizeof(KV));
         acc[t] = (VT){0};
     }
-    for (int64_t u = 0; u < full; u++)
-        for (int t = 0; t < FA_ROW_KEYS; t++) acc[t] += qs[u] * FN(kv_load)(k + (j0 + t) * k_rs + u * W);
+#if FA_KV_PAIRS
+    if (FA_ROW1_PAIRS) {
+        int64_t u = 0;
+        for (; u + 2 <= full; u += 2)
+            for (int t = 0; t < FA_ROW_KEYS; t++) {
+                VT a, b;
+                FN(kv_pair)(k + (j0 + t) * k_rs + u * W, &a, &b);
+                acc[t] += qs[u] * a;
+                acc[t] += qs[u + 1] * b;
+            }
+        if (u < full) /* an odd count: the last in element order */
+            for (int t = 0; t < FA_ROW_KEYS; t++) acc[t] += qs[u] * FN(kv_load)(k + (j0 + t) * k_rs + u * W);
+    } else
+#endif
+        for (int64_t u = 0; u < full; u++)
+            for (int t = 0; t < FA_ROW_KEYS; t++) acc[t] += qs[u] * FN(kv_load)(k + (j0 + t) * k_rs + u * W);
     if (tail)
         for (int t = 0; t < FA_ROW_KEYS; t++)
             acc[t] += qs[full] * FN(kv_load_part)(k + (j0 + t) * k_rs + full * W, (int)tail);
@@ -203,6 +253,22 @@ static inline __attribute__((always_inline)) void FN(values_group)(
     for (int64_t j = 0; j < nb; j++) {
         const KV *vj = v + j * v_rs;
         if (FA_ROW_PF && R <= FA_ROW_PF_V_ROWS && (R > 1 || FA_ROW1_PF)) fa_prefetch_l2_kept(pf + j * v_rs, pf_bytes);
+#if FA_KV_PAIRS
+        if (FA_ROW1_PAIRS && R == 1 && G % 2 == 0) { /* pairs (2c, 2c+1) of whole vectors in pair order */
+            for (int i = 0; i < G; i += 2) {
+                if (!whole && i >= g) break;
+                if (whole || i + 1 < whole_vecs) {
+                    VT a, b;
+                    FN(kv_pair)(vj + i * W, &a, &b);
+                    acc[0][i] += st[j] * a;
+                    acc[0][i + 1] += st[j] * b;
+                } else
+                    for (int h = i; h < i + 2 && h < g; h++)
+                        acc[0][h] += st[j] * (h < whole_vecs ? FN(kv_load)(vj + h * W) : FN(kv_load_part)(vj + h * W, (int)tail));
+            }
+            continue;
+        }
+#endif
         for (int i = 0; i < G; i++) {
             if (!whole && i >= g) break;
             const VT vv = whole || i < whole_vecs ? FN(kv_load)(vj + i * W) : FN(kv_load_part)(vj + i * W, (int)tail);
@@ -363,6 +429,9 @@ static void FN(rows_item)(const fa_plan *p, const fa_item *it, void *scratch) {
             memcpy(dst + e0, &x, sizeof x); /* rows hold nE·W elements: the padding lanes are 0 */
         }
         for (int64_t e = E; e < nE * W; e++) dst[e] = 0;
+#if FA_KV_PAIRS
+        if (FA_ROW1_PAIRS && rows == 1) FN(pairs_order)(dst, E / W / 2, 1);
+#endif
     }
     T m[FA_FEW], l[FA_FEW], alpha[FA_FEW], mt[FA_FEW];
     VT lt[FA_FEW], lc[FA_FEW];
@@ -411,7 +480,7 @@ static void FN(rows_item)(const fa_plan *p, const fa_item *it, void *scratch) {
 #define FA_CALL(R)                                                          \
     if (R > FA_ROWS_WHOLE_MAX) FA_VALUES(R, FA_ROWS_MANY_G);                \
     else if (FA_ROW_SHORT_G4 && nEv <= 4) FA_VALUES(R, 4);                  \
-    else if (nEv <= 8 || (FA_CONVERTS && R == 1)) FA_VALUES(R, 8);          \
+    else if (nEv <= 8 || (FA_CONVERTS && R == 1)) FA_VALUES(R, 8); /* even: FA_ROW1_PAIRS */ \
     else if (FA_ROWS_CONVERT_G && FA_CONVERTS) FA_VALUES(R, FA_ROWS_CONVERT_G); \
     else FA_VALUES(R, FA_ROW_GROUP);
         FA_BY_ROWS(rows, FA_CALL)
@@ -438,6 +507,9 @@ static void FN(rows_item)(const fa_plan *p, const fa_item *it, void *scratch) {
         T inv, lse_r;
         FN(finish_row)(m[r], l[r], sink[r], &inv, lse ? &lse_r : NULL);
         T *o_r = (T *)(os + r * nEv);
+#if FA_KV_PAIRS
+        if (FA_ROW1_PAIRS && rows == 1) FN(pairs_order)(o_r, Ev / W / 2, 0);
+#endif
         for (int64_t e = 0; e < Ev; e++) o_r[e] *= inv;
         FN(out_put)(p, it, o_off, o_r, Ev);
         if (lse) lse[lse_off] = lse_r;
@@ -445,5 +517,6 @@ static void FN(rows_item)(const fa_plan *p, const fa_item *it, void *scratch) {
 }
 
 #undef FA_FEW
+#undef FA_ROW1_PAIRS
 #undef FA_ST_BLOCKS
 #undef FA_BY_ROWS

@@ -110,6 +110,24 @@ def test_storage_dtype_one_row_at_head_dims_of_whole_vectors(isa, kv):
         check(fastattn.attention(q, k, v, **kw), q, k, v, q.dtype, **kw)
 
 
+@pytest.mark.parametrize("qk", ["float32", "bfloat16"])
+def test_bfloat16_one_row_in_pair_order(isa, qk):
+    """One row over bfloat16 storage on the AVX2 and AVX-512 sets reads each
+    pair of whole vectors of K and V as its even elements, then its odd ones
+    (FA_ROW1_PAIRS), with q packed and o summed in that order: E and Ev of
+    odd vector counts and tails on either width (40, 48, 72, 136, 24),
+    P·V 4 and 8 vectors at a time, folds (over 8 key blocks), split-KV
+    chunks, and the lse; float32 and bfloat16 q."""
+    for shape in [(1, 3, 3, 1, 1300, 40, 72), (2, 2, 2, 1, 700, 48, 136), (1, 2, 2, 1, 300, 136, 24)]:
+        for opt in ("causal_kvlen", "modifiers"):
+            q, k, v, kw = _case(shape, "bfloat16", qk, opt)
+            for chunk in (0, 256):
+                got, lse = _api.attention_with(q, k, v, {"layout": "rows", "chunk_keys": chunk}, return_lse=True, **kw)
+                check(got, q, k, v, q.dtype, **kw)
+                _, want_lse = reference.attention(as_f64(q), as_f64(k), as_f64(v), return_lse=True, **kw)
+                np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kv", KV_KINDS)
 def test_storage_dtype_eight_rows_in_passes(isa, kv):
     """g = 8 query heads a K/V head, one new row each: items of 8 rows, whose
