@@ -125,10 +125,13 @@ _Static_assert(FA_BK % W == 0, "rows of st hold whole vectors of scores");
  * in other lanes (other bits than element order, the same for any thread
  * count); o's elements are the same sums (the same bits). Only where one
  * row takes every key one at a time (FA_ROW_KEYS 1: the general loop of
- * dot_scores_n never sees it) and P·V takes G = 4 or 8 (always, for one
- * row over converted storage). On a Xeon, 1x32x1x4096x128 from memory took
- * 0.89-0.90 of the time with the AVX2 set (0.75 from cache) and 0.98 with
- * AVX-512. Items of several rows keep element order: there the
+ * dot_scores_n never sees it) and P·V takes G = 4, 8 or FA_ROW_GROUP
+ * (always, for one row over converted storage; all even). The pairs need
+ * no registers to widen, so over 8 vectors one row reads V whole rows at a
+ * time (FA_ROW_GROUP), not in strips of 8 as float16 and int8 do. On a
+ * Xeon, 1x32x1x4096x128 from memory took 0.77-0.79 of the time with the
+ * AVX2 set (0.90 with strips of 8; 0.84-0.88 from cache) and 0.96-0.98
+ * with AVX-512. Items of several rows keep element order: there the
  * multiply-adds outnumber the conversions, and the pair loops measured
  * level or slower (docs/tuning.md, "Stop 38"). */
 #if FA_KV_PAIRS
@@ -290,7 +293,8 @@ static inline __attribute__((always_inline)) void FN(values_group)(
  * accumulators that 16 ymm registers do not hold live on the stack, a load
  * and a store a key, which memory hides (docs/tuning.md). One row of
  * 16-bit or int8 storage keeps 8, whose widening needs registers too: with
- * 16 it measured level from memory and up to 9 % slower from cache. On Zen 4
+ * 16 it measured level from memory and up to 9 % slower from cache (one
+ * bfloat16 row in pair order reads a whole row: below). On Zen 4
  * (AVX-512), 4 rows read whole (G = 8 at E = 128: 32 accumulators) took
  * 0.58-0.86x the time of G = 1, and 8 rows 4 vectors at a time 0.83-0.89x
  * (whole, 64 accumulators, was slower for int8); on an Intel Xeon 8 rows of
@@ -483,6 +487,11 @@ static void FN(rows_item)(const fa_plan *p, const fa_item *it, void *scratch) {
     else if (nEv <= 8 || (FA_CONVERTS && R == 1)) FA_VALUES(R, 8); /* even: FA_ROW1_PAIRS */ \
     else if (FA_ROWS_CONVERT_G && FA_CONVERTS) FA_VALUES(R, FA_ROWS_CONVERT_G); \
     else FA_VALUES(R, FA_ROW_GROUP);
+#if FA_KV_PAIRS
+        /* One row in pair order: whole rows of up to FA_ROW_GROUP vectors (above) */
+        if (FA_ROW1_PAIRS && rows == 1 && nEv > 8) FA_VALUES(1, FA_ROW_GROUP);
+        else
+#endif
         FA_BY_ROWS(rows, FA_CALL)
 #undef FA_VALUES
 #undef FA_CALL
