@@ -130,7 +130,7 @@ _Static_assert(FA_BK % W == 0, "rows of st hold whole vectors of scores");
  * no registers to widen, so over 8 vectors one row reads V whole rows at a
  * time (FA_ROW_GROUP), not in strips of 8 as float16 and int8 do. On a
  * Xeon, 1x32x1x4096x128 from memory took 0.77-0.79 of the time with the
- * AVX2 set (0.90 with strips of 8; 0.84-0.88 from cache) and 0.96-0.98
+ * AVX2 set (0.90 with strips of 8), from cache 0.88 (0.84), and 0.96-0.98
  * with AVX-512. Items of several rows keep element order: there the
  * multiply-adds outnumber the conversions, and the pair loops measured
  * level or slower (docs/tuning.md, "Stop 38"). */
