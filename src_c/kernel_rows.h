@@ -484,7 +484,7 @@ static void FN(rows_item)(const fa_plan *p, const fa_item *it, void *scratch) {
 #define FA_CALL(R)                                                          \
     if (R > FA_ROWS_WHOLE_MAX) FA_VALUES(R, FA_ROWS_MANY_G);                \
     else if (FA_ROW_SHORT_G4 && nEv <= 4) FA_VALUES(R, 4);                  \
-    else if (nEv <= 8 || (FA_CONVERTS && R == 1)) FA_VALUES(R, 8); /* even: FA_ROW1_PAIRS */ \
+    else if (nEv <= 8 || (FA_CONVERTS && R == 1)) FA_VALUES(R, 8); /* 1 row: G even (FA_ROW1_PAIRS) */ \
     else if (FA_ROWS_CONVERT_G && FA_CONVERTS) FA_VALUES(R, FA_ROWS_CONVERT_G); \
     else FA_VALUES(R, FA_ROW_GROUP);
 #if FA_KV_PAIRS

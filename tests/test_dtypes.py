@@ -116,8 +116,9 @@ def test_bfloat16_one_row_in_pair_order(isa, qk):
     pair of whole vectors of K and V as its even elements, then its odd ones
     (FA_ROW1_PAIRS), with q packed and o summed in that order: E and Ev of
     odd vector counts and tails on either width (40, 48, 72, 136, 24),
-    P·V 4 and 8 vectors at a time, folds (over 8 key blocks), split-KV
-    chunks, and the lse; float32 and bfloat16 q."""
+    P·V 4 and 8 vectors at a time and, over 8 vectors, whole rows (16 on
+    AVX2: Ev = 72 and 136), folds (over 8 key blocks), split-KV chunks, and
+    the lse; float32 and bfloat16 q."""
     for shape in [(1, 3, 3, 1, 1300, 40, 72), (2, 2, 2, 1, 700, 48, 136), (1, 2, 2, 1, 300, 136, 24)]:
         for opt in ("causal_kvlen", "modifiers"):
             q, k, v, kw = _case(shape, "bfloat16", qk, opt)
