@@ -165,9 +165,9 @@ static inline __attribute__((always_inline)) void FN(dot_scores_row)(
         if (FA_ROW1_PF) fa_prefetch_l2_kept(k + (j0 + t + FA_BK) * k_rs, E * (int64_t)sizeof(KV));
         acc[t] = (VT){0};
     }
+    int64_t u = 0;
 #if FA_KV_PAIRS
-    if (FA_ROW1_PAIRS) {
-        int64_t u = 0;
+    if (FA_ROW1_PAIRS) /* whole pairs; an odd last vector below, in element order */
         for (; u + 2 <= full; u += 2)
             for (int t = 0; t < FA_ROW_KEYS; t++) {
                 VT a, b;
@@ -175,12 +175,9 @@ static inline __attribute__((always_inline)) void FN(dot_scores_row)(
                 acc[t] += qs[u] * a;
                 acc[t] += qs[u + 1] * b;
             }
-        if (u < full) /* an odd count: the last in element order */
-            for (int t = 0; t < FA_ROW_KEYS; t++) acc[t] += qs[u] * FN(kv_load)(k + (j0 + t) * k_rs + u * W);
-    } else
 #endif
-        for (int64_t u = 0; u < full; u++)
-            for (int t = 0; t < FA_ROW_KEYS; t++) acc[t] += qs[u] * FN(kv_load)(k + (j0 + t) * k_rs + u * W);
+    for (; u < full; u++)
+        for (int t = 0; t < FA_ROW_KEYS; t++) acc[t] += qs[u] * FN(kv_load)(k + (j0 + t) * k_rs + u * W);
     if (tail)
         for (int t = 0; t < FA_ROW_KEYS; t++)
             acc[t] += qs[full] * FN(kv_load_part)(k + (j0 + t) * k_rs + full * W, (int)tail);
@@ -256,23 +253,17 @@ static inline __attribute__((always_inline)) void FN(values_group)(
     for (int64_t j = 0; j < nb; j++) {
         const KV *vj = v + j * v_rs;
         if (FA_ROW_PF && R <= FA_ROW_PF_V_ROWS && (R > 1 || FA_ROW1_PF)) fa_prefetch_l2_kept(pf + j * v_rs, pf_bytes);
+        int i = 0;
 #if FA_KV_PAIRS
-        if (FA_ROW1_PAIRS && R == 1 && G % 2 == 0) { /* pairs (2c, 2c+1) of whole vectors in pair order */
-            for (int i = 0; i < G; i += 2) {
-                if (!whole && i >= g) break;
-                if (whole || i + 1 < whole_vecs) {
-                    VT a, b;
-                    FN(kv_pair)(vj + i * W, &a, &b);
-                    acc[0][i] += st[j] * a;
-                    acc[0][i + 1] += st[j] * b;
-                } else
-                    for (int h = i; h < i + 2 && h < g; h++)
-                        acc[0][h] += st[j] * (h < whole_vecs ? FN(kv_load)(vj + h * W) : FN(kv_load_part)(vj + h * W, (int)tail));
+        if (FA_ROW1_PAIRS && R == 1 && G % 2 == 0) /* whole pairs (2c, 2c+1) in pair order; the rest below */
+            for (; i + 1 < G && (whole || i + 1 < whole_vecs); i += 2) {
+                VT a, b;
+                FN(kv_pair)(vj + i * W, &a, &b);
+                acc[0][i] += st[j] * a;
+                acc[0][i + 1] += st[j] * b;
             }
-            continue;
-        }
 #endif
-        for (int i = 0; i < G; i++) {
+        for (; i < G; i++) {
             if (!whole && i >= g) break;
             const VT vv = whole || i < whole_vecs ? FN(kv_load)(vj + i * W) : FN(kv_load_part)(vj + i * W, (int)tail);
             for (int r = 0; r < R; r++) acc[r][i] += st[r * FA_BK + j] * vv;
