@@ -57,6 +57,12 @@ _Static_assert(FA_BK % W == 0, "rows of st hold whole vectors of scores");
 #ifndef FA_ROW_KEYS
 #define FA_ROW_KEYS 4
 #endif
+/* Items of R rows (R > 1) over converted storage where FA_ROWS_E_CONST(R)
+ * holds compute their scores with E a constant at E = 4·W and 8·W
+ * (dot_scores_n; 0: never). */
+#ifndef FA_ROWS_E_CONST
+#define FA_ROWS_E_CONST(R) 0
+#endif
 /* Vectors of K or V a 64-byte cache line holds (at least 1; a power of 2): the rows with
  * several query rows ask for the next block a line at a time (docs/tuning.md). */
 #define FA_LINE_VECS (64 / (W * (int)sizeof(KV)) > 0 ? 64 / (W * (int)sizeof(KV)) : 1)
@@ -187,10 +193,43 @@ static inline __attribute__((always_inline)) void FN(dot_scores_row)(
         for (int t = 0; t < FA_ROW_KEYS; t++) st[j0 + t] = FN(v_hsum)(acc[t]);
 }
 
+/* Keys jj .. nk − 1 of the W at j0, one at a time: part[r][jj] = the
+ * vector of q_r · K_j's partial sums (one row: st[j] = the sum). E is a
+ * constant where dot_scores_n calls with one. */
+static inline __attribute__((always_inline)) void FN(dot_scores_keys)(
+    const int R, T *st, VT part[][W], const VT *qs, const int64_t nE, const KV *k, int64_t k_rs,
+    const int64_t E, int64_t j0, int64_t jj, int64_t nk, const KV *v, int64_t v_rs, int64_t Ev) {
+    const int64_t full = E / W, tail = E % W;
+    for (; jj < nk; jj++) {
+        const KV *kj = k + (j0 + jj) * k_rs, *vj = v + (j0 + jj) * v_rs;
+        VT acc[FA_FEW];
+        for (int r = 0; r < R; r++) acc[r] = (VT){0};
+        for (int64_t u = 0; u < full; u++) {
+            /* The next block's row, a line at a time: decoding streams K and V from memory once. */
+            if (u % FA_LINE_VECS == 0) {
+                __builtin_prefetch(kj + FA_BK * k_rs + u * W, 0, 2);
+                if (FA_ROWS_PF_V_NOW(R) && u * W < Ev) __builtin_prefetch(vj + u * W, 0, 2);
+            }
+            const VT kv = FN(kv_load)(kj + u * W);
+            for (int r = 0; r < R; r++) acc[r] += qs[r * nE + u] * kv;
+        }
+        if (FA_ROWS_PF_V_NOW(R)) /* V's lines past K's (tail, Ev > E) */
+            for (int64_t e = (full + FA_LINE_VECS - 1) / FA_LINE_VECS * FA_LINE_VECS * W; e < Ev;
+                 e += FA_LINE_VECS * W)
+                __builtin_prefetch(vj + e, 0, 2);
+        if (tail) {
+            if (full % FA_LINE_VECS == 0) __builtin_prefetch(kj + FA_BK * k_rs + full * W, 0, 2);
+            const VT kv = FN(kv_load_part)(kj + full * W, (int)tail);
+            for (int r = 0; r < R; r++) acc[r] += qs[r * nE + full] * kv;
+        }
+        if (R == 1) st[j0 + jj] = FN(v_hsum)(acc[0]);
+        else for (int r = 0; r < R; r++) part[r][jj] = acc[r];
+    }
+}
+
 static inline __attribute__((always_inline)) void FN(dot_scores_n)(
     const int R, T *st, const VT *qs, int64_t nE, const KV *k, int64_t k_rs, int64_t E, int64_t nb,
     const KV *v, int64_t v_rs, int64_t Ev) {
-    const int64_t full = E / W, tail = E % W;
     for (int64_t j0 = 0; j0 < nb; j0 += W) {
         const int64_t nk = nb - j0 < W ? nb - j0 : W;
         VT part[FA_FEW][W];
@@ -208,31 +247,18 @@ static inline __attribute__((always_inline)) void FN(dot_scores_n)(
             else FA_ROW_RUN(E);
         }
 #undef FA_ROW_RUN
-        for (; jj < nk; jj++) {
-            const KV *kj = k + (j0 + jj) * k_rs, *vj = v + (j0 + jj) * v_rs;
-            VT acc[FA_FEW];
-            for (int r = 0; r < R; r++) acc[r] = (VT){0};
-            for (int64_t u = 0; u < full; u++) {
-                /* The next block's row, a line at a time: decoding streams K and V from memory once. */
-                if (u % FA_LINE_VECS == 0) {
-                    __builtin_prefetch(kj + FA_BK * k_rs + u * W, 0, 2);
-                    if (FA_ROWS_PF_V_NOW(R) && u * W < Ev) __builtin_prefetch(vj + u * W, 0, 2);
-                }
-                const VT kv = FN(kv_load)(kj + u * W);
-                for (int r = 0; r < R; r++) acc[r] += qs[r * nE + u] * kv;
-            }
-            if (FA_ROWS_PF_V_NOW(R)) /* V's lines past K's (tail, Ev > E) */
-                for (int64_t e = (full + FA_LINE_VECS - 1) / FA_LINE_VECS * FA_LINE_VECS * W; e < Ev;
-                     e += FA_LINE_VECS * W)
-                    __builtin_prefetch(vj + e, 0, 2);
-            if (tail) {
-                if (full % FA_LINE_VECS == 0) __builtin_prefetch(kj + FA_BK * k_rs + full * W, 0, 2);
-                const VT kv = FN(kv_load_part)(kj + full * W, (int)tail);
-                for (int r = 0; r < R; r++) acc[r] += qs[r * nE + full] * kv;
-            }
-            if (R == 1) st[j0 + jj] = FN(v_hsum)(acc[0]);
-            else for (int r = 0; r < R; r++) part[r][jj] = acc[r];
-        }
+        /* Several rows over converted storage: E a constant at the common
+         * head dims where the set asks (FA_ROWS_E_CONST), as for one row
+         * above: the sums unrolled, with no loop or prefetch test a vector.
+         * Float32 keeps the loop: unrolled, its grouped rows read from
+         * memory slower (docs/tuning.md, "Stop 40"). */
+#define FA_KEYS(e) FN(dot_scores_keys)(R, st, part, qs, (e) / W, k, k_rs, e, j0, jj, nk, v, v_rs, Ev)
+#define FA_E_CONST (FA_CONVERTS && R > 1 && FA_ROWS_E_CONST(R))
+        if (FA_E_CONST && E == 4 * W) FA_KEYS(4 * W);
+        else if (FA_E_CONST && E == 8 * W) FA_KEYS(8 * W);
+        else FN(dot_scores_keys)(R, st, part, qs, nE, k, k_rs, E, j0, jj, nk, v, v_rs, Ev);
+#undef FA_E_CONST
+#undef FA_KEYS
         if (R == 1) continue;
         for (int r = 0; r < R; r++) {
             for (int64_t jj = nk; jj < W; jj++) part[r][jj] = (VT){0};
