@@ -51,10 +51,10 @@
 #define FA_ROWS_PF_V_NOW(R) ((R) > (sizeof(KV) >= 4 ? 4 : 2))
 /* Items of 5-8 rows over 16-bit storage and of any rows over int8 sum
  * their scores with E a constant at E = 64 and 128 (kernel_rows.h). On a
- * Xeon from memory (1x8/1x1x32768x128, 1x32/8x1x8192x128): multi-query
- * float16, bfloat16 and int8 0.95-0.97, 0.97-0.98 and 0.93-0.95 of the
- * time, grouped int8 0.92-0.94; grouped 16-bit rows (4) from L2 0.89-0.91,
- * but from memory float16 0.99-1.02 and bfloat16 1.05, so they keep the
- * loop ("Stop 40"). */
+ * Xeon from memory (1x8/1x1x32768x128, 1x32/8x1x8192x128), runs of 7-11
+ * rounds: multi-query float16, bfloat16 and int8 0.94-1.00, 0.96-0.99 and
+ * 0.93-0.95 of the time, grouped int8 0.92-0.94. Grouped 16-bit rows (4)
+ * took 0.89-0.91 from L2, but from memory float16 0.99-1.02 and bfloat16
+ * 0.99-1.05, so they keep the loop ("Stop 40"). */
 #define FA_ROWS_E_CONST(R) (sizeof(KV) == 1 || (R) > 4)
 #include "kernel_isa.h"
