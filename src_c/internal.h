@@ -75,6 +75,17 @@ static inline void fa_prefetch_l2_kept(const void *p, int64_t bytes) {
     }
 }
 
+/* x stays in a register from here on: an empty asm that may change it, so
+ * GCC loads it once instead of folding the load into each instruction that
+ * uses it (kernel_rows.h, dot_scores_keys). */
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define FA_IN_REGISTER(x) __asm__("" : "+v"(x))
+#elif defined(__GNUC__) && defined(__aarch64__)
+#define FA_IN_REGISTER(x) __asm__("" : "+w"(x))
+#else
+#define FA_IN_REGISTER(x) ((void)0)
+#endif
+
 /* Rows a row-layout item holds at most (its per-row arrays live on the stack). */
 #define FA_ROWS_MAX 8
 

@@ -63,6 +63,11 @@ _Static_assert(FA_BK % W == 0, "rows of st hold whole vectors of scores");
 #ifndef FA_ROWS_E_CONST
 #define FA_ROWS_E_CONST(R) 0
 #endif
+/* Items of R rows (R > 1) where FA_ROWS_KEY_PAIRS(R) holds compute their
+ * scores two keys at a time (dot_scores_keys; 0: one). */
+#ifndef FA_ROWS_KEY_PAIRS
+#define FA_ROWS_KEY_PAIRS(R) 0
+#endif
 /* Vectors of K or V a 64-byte cache line holds (at least 1; a power of 2): the rows with
  * several query rows ask for the next block a line at a time (docs/tuning.md). */
 #define FA_LINE_VECS (64 / (W * (int)sizeof(KV)) > 0 ? 64 / (W * (int)sizeof(KV)) : 1)
@@ -193,38 +198,57 @@ static inline __attribute__((always_inline)) void FN(dot_scores_row)(
         for (int t = 0; t < FA_ROW_KEYS; t++) st[j0 + t] = FN(v_hsum)(acc[t]);
 }
 
-/* Keys jj .. nk − 1 of the W at j0, one at a time: part[r][jj] = the
- * vector of q_r · K_j's partial sums (one row: st[j] = the sum). E is a
- * constant where dot_scores_n calls with one. */
-static inline __attribute__((always_inline)) void FN(dot_scores_keys)(
-    const int R, T *st, VT part[][W], const VT *qs, const int64_t nE, const KV *k, int64_t k_rs,
+/* Keys jj … of the W at j0, KK (1 or 2) at a time, as long as KK remain:
+ * part[r][j] = the vector of q_r · K_j's partial sums (one row: st[j] = the
+ * sum); returns the first key not done. E is a constant where dot_scores_n
+ * calls with one. With two keys each q vector is loaded once into a
+ * register for both (FA_IN_REGISTER: GCC would otherwise fold the load
+ * into both multiply-adds): on the Xeon of stop 40 a multiply-add that
+ * brings its own 512-bit load ran at about two thirds of the rate of one on
+ * registers. Each score is the same sum in the same order: the same bits. */
+static inline __attribute__((always_inline)) int64_t FN(dot_scores_keys)(
+    const int R, const int KK, T *st, VT part[][W], const VT *qs, const int64_t nE, const KV *k, int64_t k_rs,
     const int64_t E, int64_t j0, int64_t jj, int64_t nk, const KV *v, int64_t v_rs, int64_t Ev) {
     const int64_t full = E / W, tail = E % W;
-    for (; jj < nk; jj++) {
+    for (; jj + KK <= nk; jj += KK) {
         const KV *kj = k + (j0 + jj) * k_rs, *vj = v + (j0 + jj) * v_rs;
-        VT acc[FA_FEW];
-        for (int r = 0; r < R; r++) acc[r] = (VT){0};
+        VT acc[2][FA_FEW];
+        for (int t = 0; t < KK; t++)
+            for (int r = 0; r < R; r++) acc[t][r] = (VT){0};
         for (int64_t u = 0; u < full; u++) {
-            /* The next block's row, a line at a time: decoding streams K and V from memory once. */
-            if (u % FA_LINE_VECS == 0) {
-                __builtin_prefetch(kj + FA_BK * k_rs + u * W, 0, 2);
-                if (FA_ROWS_PF_V_NOW(R) && u * W < Ev) __builtin_prefetch(vj + u * W, 0, 2);
+            /* The next block's rows, a line at a time: decoding streams K and V from memory once. */
+            if (u % FA_LINE_VECS == 0)
+                for (int t = 0; t < KK; t++) {
+                    __builtin_prefetch(kj + (FA_BK + t) * k_rs + u * W, 0, 2);
+                    if (FA_ROWS_PF_V_NOW(R) && u * W < Ev) __builtin_prefetch(vj + t * v_rs + u * W, 0, 2);
+                }
+            VT kv[2];
+            for (int t = 0; t < KK; t++) kv[t] = FN(kv_load)(kj + t * k_rs + u * W);
+            for (int r = 0; r < R; r++) {
+                VT q = qs[r * nE + u];
+                if (KK > 1) FA_IN_REGISTER(q);
+                for (int t = 0; t < KK; t++) acc[t][r] += q * kv[t];
             }
-            const VT kv = FN(kv_load)(kj + u * W);
-            for (int r = 0; r < R; r++) acc[r] += qs[r * nE + u] * kv;
         }
         if (FA_ROWS_PF_V_NOW(R)) /* V's lines past K's (tail, Ev > E) */
             for (int64_t e = (full + FA_LINE_VECS - 1) / FA_LINE_VECS * FA_LINE_VECS * W; e < Ev;
                  e += FA_LINE_VECS * W)
-                __builtin_prefetch(vj + e, 0, 2);
+                for (int t = 0; t < KK; t++) __builtin_prefetch(vj + t * v_rs + e, 0, 2);
         if (tail) {
-            if (full % FA_LINE_VECS == 0) __builtin_prefetch(kj + FA_BK * k_rs + full * W, 0, 2);
-            const VT kv = FN(kv_load_part)(kj + full * W, (int)tail);
-            for (int r = 0; r < R; r++) acc[r] += qs[r * nE + full] * kv;
+            VT kv[2];
+            for (int t = 0; t < KK; t++) {
+                if (full % FA_LINE_VECS == 0) __builtin_prefetch(kj + (FA_BK + t) * k_rs + full * W, 0, 2);
+                kv[t] = FN(kv_load_part)(kj + t * k_rs + full * W, (int)tail);
+            }
+            for (int r = 0; r < R; r++)
+                for (int t = 0; t < KK; t++) acc[t][r] += qs[r * nE + full] * kv[t];
         }
-        if (R == 1) st[j0 + jj] = FN(v_hsum)(acc[0]);
-        else for (int r = 0; r < R; r++) part[r][jj] = acc[r];
+        for (int t = 0; t < KK; t++) {
+            if (R == 1) st[j0 + jj + t] = FN(v_hsum)(acc[t][0]);
+            else for (int r = 0; r < R; r++) part[r][jj + t] = acc[t][r];
+        }
     }
+    return jj;
 }
 
 static inline __attribute__((always_inline)) void FN(dot_scores_n)(
@@ -252,11 +276,14 @@ static inline __attribute__((always_inline)) void FN(dot_scores_n)(
          * above: the sums unrolled, with no loop or prefetch test a vector.
          * Float32 keeps the loop: unrolled, its grouped rows read from
          * memory slower (docs/tuning.md, "Stop 40"). */
-#define FA_KEYS(e) FN(dot_scores_keys)(R, st, part, qs, (e) / W, k, k_rs, e, j0, jj, nk, v, v_rs, Ev)
+#define FA_KEYS(kk, e) jj = FN(dot_scores_keys)(R, kk, st, part, qs, (e) / W, k, k_rs, e, j0, jj, nk, v, v_rs, Ev)
 #define FA_E_CONST (FA_CONVERTS && R > 1 && FA_ROWS_E_CONST(R))
-        if (FA_E_CONST && E == 4 * W) FA_KEYS(4 * W);
-        else if (FA_E_CONST && E == 8 * W) FA_KEYS(8 * W);
-        else FN(dot_scores_keys)(R, st, part, qs, nE, k, k_rs, E, j0, jj, nk, v, v_rs, Ev);
+#define FA_KK (R > 1 && FA_ROWS_KEY_PAIRS(R) ? 2 : 1)
+        if (FA_E_CONST && E == 4 * W) FA_KEYS(FA_KK, 4 * W);
+        else if (FA_E_CONST && E == 8 * W) FA_KEYS(FA_KK, 8 * W);
+        else jj = FN(dot_scores_keys)(R, FA_KK, st, part, qs, nE, k, k_rs, E, j0, jj, nk, v, v_rs, Ev);
+        if (FA_KK > 1) jj = FN(dot_scores_keys)(R, 1, st, part, qs, nE, k, k_rs, E, j0, jj, nk, v, v_rs, Ev);
+#undef FA_KK
 #undef FA_E_CONST
 #undef FA_KEYS
         if (R == 1) continue;
