@@ -276,7 +276,8 @@ static inline __attribute__((always_inline)) void FN(dot_scores_n)(
          * head dims where the set asks (FA_ROWS_E_CONST), as for one row
          * above: the sums unrolled, with no loop or prefetch test a vector.
          * Float32 keeps the loop: unrolled, its grouped rows read from
-         * memory slower (docs/tuning.md, "Stop 40"). */
+         * memory slower. Where the set asks (FA_ROWS_KEY_PAIRS), two keys
+         * at a time, and an odd last key alone (docs/tuning.md, "Stop 40"). */
 #define FA_KEYS(kk, e) jj = FN(dot_scores_keys)(R, kk, st, part, qs, (e) / W, k, k_rs, e, j0, jj, nk, v, v_rs, Ev)
 #define FA_E_CONST (FA_CONVERTS && R > 1 && FA_ROWS_E_CONST(R))
 #define FA_KK (R > 1 && FA_ROWS_KEY_PAIRS(R) ? 2 : 1)

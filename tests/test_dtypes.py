@@ -143,8 +143,9 @@ def test_storage_dtype_eight_rows_in_passes(isa, kv):
 def test_storage_dtype_many_rows_at_whole_vector_head_dims(isa, kv):
     """Items of 5-8 rows whose head dim is 4 or 8 whole vectors of the set
     (E = 32, 64, 128: W = 4, 8 or 16 lanes), where the AVX-512 sets sum the
-    scores of 16-bit and int8 storage with E a constant (FA_ROWS_E_CONST),
-    with tails of keys (not a multiple of 16) and split-KV chunks."""
+    scores of 16-bit and int8 storage with E a constant (FA_ROWS_E_CONST)
+    and take the keys two at a time (FA_ROWS_KEY_PAIRS), with tails of keys
+    (not a multiple of 16; an odd last key at 333) and split-KV chunks."""
     for shape in [(1, 8, 1, 1, 700, 128, 128), (2, 12, 2, 1, 530, 64, 64), (1, 5, 1, 1, 333, 32, 48)]:
         q, k, v, kw = _case(shape, kv, "float32", "causal_kvlen")
         for chunk in (0, 256):
