@@ -708,12 +708,20 @@ def attention_steps(q, k, v, *, mask=None, causal=False, window=None, kv_lengths
         raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
     batch = np.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
 
-    # grouped-query attention: query head h reads key/value head h // (Hq // Hkv)
-    group = Hq // Hkv if Hkv else 1
-    k, v = np.repeat(k, group, axis=-3), np.repeat(v, group, axis=-3)
+    # grouped-query attention: query head h reads key/value head h // G. The
+    # query heads are taken as (Hkv, G) for the two products (scores and
+    # weighted_sum), where each K/V head meets its G query heads by
+    # broadcasting, not as G copies of it.
+    G = Hq // Hkv if Hkv else 1
     q = np.broadcast_to(q, batch + (Hq, L, E))
-    k = np.broadcast_to(k, batch + (Hq, S, E))
-    v = np.broadcast_to(v, batch + (Hq, S, Ev))
+    k = np.broadcast_to(k, batch + (Hkv, S, E))
+    v = np.broadcast_to(v, batch + (Hkv, S, Ev))
+
+    def by_kv_head(x):  # (*batch, Hq, ...) -> (*batch, Hkv, G, ...)
+        return x.reshape(batch + (Hkv, G) + x.shape[len(batch) + 1:])
+
+    def by_q_head(x):  # the inverse
+        return x.reshape(batch + (Hq,) + x.shape[len(batch) + 2:])
 
     if scale is None:
         scale = 1.0 / math.sqrt(E) if E else 1.0
@@ -743,7 +751,7 @@ def attention_steps(q, k, v, *, mask=None, causal=False, window=None, kv_lengths
 
     where = dict(causal=causal, kv_lengths=kv_lengths, q_start=q_start, k_start=k_start,
                  batch_shape=batch)  # what fixes the diagonal d(i)
-    s = scores(q, k)
+    s = by_q_head(scores(by_kv_head(q), k[..., None, :, :]))
     scaled = scale_scores(s, scale)
     capped = scaled if softcap is None else cap_scores(scaled, softcap)
     biased = capped if alibi_slopes is None else capped + alibi_bias(L, S, alibi_slopes, **where)
@@ -751,7 +759,7 @@ def attention_steps(q, k, v, *, mask=None, causal=False, window=None, kv_lengths
     masked = apply_mask(biased, visible, mask)
     logits = masked if sinks is None else append_sink(masked, sinks[:, None])
     weights = softmax(logits)[..., :S]  # the sink's column, if any, carries no value
-    output = weighted_sum(weights, v)
+    output = by_q_head(weighted_sum(by_kv_head(weights), v[..., None, :, :]))
     lse = logsumexp(logits)
 
     def public(x, tail):  # drop the head axis that 2-D inputs were given
