@@ -73,7 +73,7 @@ def case(shape, opt):
 
 def check(got, q, k, v, **kw):
     want = reference.attention(q.astype(F64), k.astype(F64), v.astype(F64), **kw)
-    tol = tolerance(q, k, v, **kw)
+    tol = tolerance(q, k, v, want=want, **kw)
     assert got.dtype == BF16
     err = float(np.max(np.abs(got.astype(F64) - want)))
     assert err <= tol, f"max error {err:.3g} > tolerance {tol:.3g}"

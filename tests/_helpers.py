@@ -49,7 +49,18 @@ def as_float64(x):
     return np.asarray(x).astype(np.float64)
 
 
-def tolerance(q, k, v, **kw):
+def read_only(x):
+    """x (an array, a tuple of arrays such as an int8 pair, or a dict of
+    keyword arguments) with every array in it made read-only, and returned:
+    for inputs a test caches and shares between cases, which no call may
+    change."""
+    for a in (x.values() if isinstance(x, dict) else x if isinstance(x, tuple) else (x,)):
+        if isinstance(a, np.ndarray):
+            a.flags.writeable = False
+    return x
+
+
+def tolerance(q, k, v, *, want=None, **kw):
     """How far fastattn may be from the float64 reference on these inputs.
 
     The output has q's dtype. float32: max(2 × the error of textbook float32
@@ -59,14 +70,15 @@ def tolerance(q, k, v, **kw):
     relative), for the one rounding of the output. k and v may be int8
     (values, scales) pairs; max|V| is then of the dequantized values. int8
     keys with channel factors add the bound of the fold's rounding
-    (_fold_error).
+    (_fold_error). want: the float64 reference's output on the same inputs
+    and options, where the caller has it; otherwise it is computed here.
     """
     v64 = as_float64(v)
     vmax = float(np.max(np.abs(v64))) if v64.size else 0.0
     out_dtype = np.asarray(q).dtype
     if out_dtype == np.float64:
         return 1e-12 * max(vmax, 1.0)
-    ref = fastattn.reference.attention(q, k, v, **kw)
+    ref = fastattn.reference.attention(q, k, v, **kw) if want is None else want
     f32 = fastattn.reference.attention(q, k, v, dtype=np.float32, **kw)
     textbook = float(np.max(np.abs(f32 - ref))) if ref.size else 0.0
     tol = max(2 * textbook, 16 * 2.0**-24 * vmax)

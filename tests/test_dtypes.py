@@ -8,6 +8,8 @@ refused before anything is written.
 
 Tolerance: twice the error of textbook float32 NumPy on the same rounded
 inputs, plus half an ulp of the output dtype at the largest output."""
+import collections
+import functools
 import zlib
 
 import numpy as np
@@ -17,7 +19,7 @@ import fastattn
 from fastattn import _api, reference
 from fastattn.cache import key_channel_scales, quantize_int8 as quantize
 
-from _helpers import as_float64 as as_f64, tolerance
+from _helpers import as_float64 as as_f64, read_only, tolerance
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -39,12 +41,11 @@ def store(x, kind, key=False):
     return x.astype({"float16": F16, "bfloat16": BF16, "float32": F32}[kind])
 
 
-def check(got, q, k, v, out_dtype, **kw):
-    want = reference.attention(as_f64(q), as_f64(k), as_f64(v), **kw)
-    tol = tolerance(q, k, v, **kw)  # the float32 rule on the stored values, + half an ulp of 16-bit out
-    assert got.dtype == out_dtype
-    err = float(np.max(np.abs(got.astype(F64) - want))) if want.size else 0.0
-    assert err <= tol, f"max error {err:.3g} > tolerance {tol:.3g}"
+def check(got, case):
+    """got (a kernel path's output) against the case's float64 reference."""
+    assert got.dtype == case.q.dtype
+    err = float(np.max(np.abs(got.astype(F64) - case.want))) if case.want.size else 0.0
+    assert err <= case.tol, f"max error {err:.3g} > tolerance {case.tol:.3g}"
 
 
 SHAPES = [(2, 4, 2, 37, 150, 40, 24), (1, 8, 2, 1, 1300, 64, 64), (2, 3, 3, 5, 70, 33, 17)]
@@ -58,7 +59,15 @@ OPTIONS = {
 }
 
 
+Case = collections.namedtuple("Case", "q k v kw want want_lse tol")
+
+
+@functools.lru_cache(maxsize=None)
 def _case(shape, kv, qk, opt):
+    """One case: its inputs (read-only), their float64 reference (output and
+    lse) and the tolerance (the float32 rule on the stored values, + half an
+    ulp of a 16-bit output), computed once for every ISA and kernel path
+    checked against them."""
     B, Hq, Hkv, L, S, E, Ev = shape
     rng = _rng(shape, kv, qk, opt)
     q = rng.standard_normal((B, Hq, L, E)).astype(Q_KINDS[qk])
@@ -74,7 +83,9 @@ def _case(shape, kv, qk, opt):
         kw["mask"] = rng.random((B, 1, L, S)) < 0.8
     if kw.get("sinks"):
         kw["sinks"] = rng.standard_normal(Hq)
-    return q, k, v, kw
+    q, k, v, kw = (read_only(x) for x in (q, k, v, kw))
+    want, want_lse = reference.attention(as_f64(q), as_f64(k), as_f64(v), return_lse=True, **kw)
+    return Case(q, k, v, kw, want, want_lse, tolerance(q, k, v, want=want, **kw))
 
 
 @pytest.mark.parametrize("opt", OPTIONS)
@@ -82,12 +93,13 @@ def _case(shape, kv, qk, opt):
 @pytest.mark.parametrize("kv", KV_KINDS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_storage_dtype_matches_reference(isa, shape, kv, qk, opt):
-    q, k, v, kw = _case(shape, kv, qk, opt)
-    check(fastattn.attention(q, k, v, **kw), q, k, v, q.dtype, **kw)
+    c = _case(shape, kv, qk, opt)
+    q, k, v, kw = c[:4]
+    check(fastattn.attention(q, k, v, **kw), c)
     for layout in ("lanes", "rows"):
         for chunk in (0, 97):
             got = _api.attention_with(q, k, v, {"layout": layout, "chunk_keys": chunk}, **kw)
-            check(got, q, k, v, q.dtype, **kw)
+            check(got, c)
 
 
 @pytest.mark.parametrize("kv", ["float16", "int8"])  # 2 bytes a key element, and 1
@@ -95,9 +107,10 @@ def test_storage_dtype_one_row_over_long_runs(isa, kv):
     """One row a head and 32 heads, so the driver does not split the keys:
     each item scores runs of 64 key blocks (FA_ROW_SUPER on AVX-512 and AVX2), int8
     four keys at a time, with a short last run and a ragged last block."""
-    q, k, v, kw = _case((2, 16, 16, 1, 4200, 24, 40), kv, "float32", "causal_kvlen")
+    c = _case((2, 16, 16, 1, 4200, 24, 40), kv, "float32", "causal_kvlen")
+    q, k, v, kw = c[:4]
     assert _api.plan(q, k, v, **kw)[0]["key_chunks"] == 1
-    check(fastattn.attention(q, k, v, **kw), q, k, v, q.dtype, **kw)
+    check(fastattn.attention(q, k, v, **kw), c)
 
 
 @pytest.mark.parametrize("kv", KV_KINDS)
@@ -106,8 +119,9 @@ def test_storage_dtype_one_row_at_head_dims_of_whole_vectors(isa, kv):
     where the scores run with E a constant (FA_ROW_RUN), int8 four keys at a
     time summed by one tree (v_hsums4); E = 48 takes the general loop."""
     for E in (16, 32, 48, 64, 128, 256):
-        q, k, v, kw = _case((2, 4, 4, 1, 1299, E, E), kv, "float32", "causal_kvlen")
-        check(fastattn.attention(q, k, v, **kw), q, k, v, q.dtype, **kw)
+        c = _case((2, 4, 4, 1, 1299, E, E), kv, "float32", "causal_kvlen")
+        q, k, v, kw = c[:4]
+        check(fastattn.attention(q, k, v, **kw), c)
 
 
 @pytest.mark.parametrize("qk", ["float32", "bfloat16"])
@@ -121,12 +135,12 @@ def test_bfloat16_one_row_in_pair_order(isa, qk):
     the lse; float32 and bfloat16 q."""
     for shape in [(1, 3, 3, 1, 1300, 40, 72), (2, 2, 2, 1, 700, 48, 136), (1, 2, 2, 1, 300, 136, 24)]:
         for opt in ("causal_kvlen", "modifiers"):
-            q, k, v, kw = _case(shape, "bfloat16", qk, opt)
+            c = _case(shape, "bfloat16", qk, opt)
+            q, k, v, kw = c[:4]
             for chunk in (0, 256):
                 got, lse = _api.attention_with(q, k, v, {"layout": "rows", "chunk_keys": chunk}, return_lse=True, **kw)
-                check(got, q, k, v, q.dtype, **kw)
-                _, want_lse = reference.attention(as_f64(q), as_f64(k), as_f64(v), return_lse=True, **kw)
-                np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+                check(got, c)
+                np.testing.assert_allclose(lse, c.want_lse, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kv", KV_KINDS)
@@ -135,8 +149,9 @@ def test_storage_dtype_eight_rows_in_passes(isa, kv):
     P·V runs over V in passes of a few vectors (2 on the amx set, 4
     elsewhere), whole passes and a short last one (Ev = 72: 4½ vectors of 16)."""
     for shape in [(1, 16, 2, 1, 1300, 48, 96), (2, 8, 1, 1, 700, 40, 72)]:
-        q, k, v, kw = _case(shape, kv, "float32", "causal_kvlen")
-        check(fastattn.attention(q, k, v, **kw), q, k, v, q.dtype, **kw)
+        c = _case(shape, kv, "float32", "causal_kvlen")
+        q, k, v, kw = c[:4]
+        check(fastattn.attention(q, k, v, **kw), c)
 
 
 @pytest.mark.parametrize("kv", KV_KINDS)
@@ -147,10 +162,11 @@ def test_storage_dtype_many_rows_at_whole_vector_head_dims(isa, kv):
     and take the keys two at a time (FA_ROWS_KEY_PAIRS), with tails of keys
     (not a multiple of 16; an odd last key at 333) and split-KV chunks."""
     for shape in [(1, 8, 1, 1, 700, 128, 128), (2, 12, 2, 1, 530, 64, 64), (1, 5, 1, 1, 333, 32, 48)]:
-        q, k, v, kw = _case(shape, kv, "float32", "causal_kvlen")
+        c = _case(shape, kv, "float32", "causal_kvlen")
+        q, k, v, kw = c[:4]
         for chunk in (0, 256):
             got = _api.attention_with(q, k, v, {"layout": "rows", "chunk_keys": chunk}, **kw)
-            check(got, q, k, v, q.dtype, **kw)
+            check(got, c)
 
 
 @pytest.mark.parametrize("kv", KV_KINDS)
@@ -161,13 +177,15 @@ def test_storage_dtype_grouped_rows_in_passes(isa, kv):
     (Ev = 136: 17 vectors of 8); the AVX-512 sets take 8 at a time, as for
     float32."""
     for shape in [(1, 8, 2, 1, 1100, 72, 136), (2, 6, 2, 1, 800, 128, 128), (1, 4, 2, 1, 900, 136, 128)]:
-        q, k, v, kw = _case(shape, kv, "float32", "causal_kvlen")
-        check(fastattn.attention(q, k, v, **kw), q, k, v, q.dtype, **kw)
+        c = _case(shape, kv, "float32", "causal_kvlen")
+        q, k, v, kw = c[:4]
+        check(fastattn.attention(q, k, v, **kw), c)
 
 
 @pytest.mark.parametrize("kv", KV_KINDS)
 def test_storage_dtype_bitwise_across_threads(kv):
-    q, k, v, kw = _case((2, 8, 2, 70, 1100, 64, 64), kv, "bfloat16", "causal_kvlen")
+    c = _case((2, 8, 2, 70, 1100, 64, 64), kv, "bfloat16", "causal_kvlen")
+    q, k, v, kw = c[:4]
     base, base_lse = fastattn.attention(q, k, v, num_threads=1, return_lse=True, **kw)
     assert base_lse.dtype == F32
     for n in (2, 3, 8):

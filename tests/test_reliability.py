@@ -29,7 +29,7 @@ UNDER_ASAN = "libasan" in os.environ.get("LD_PRELOAD", "")
 def compare(record_property, got, q, k, v, **kw):
     """got against the reference within tolerance; the ratio goes to the report."""
     ref = reference.attention(q, k, v, **kw)
-    tol = tolerance(q, k, v, **kw)
+    tol = tolerance(q, k, v, want=ref, **kw)
     err = float(np.max(np.abs(got.astype(f64) - ref))) if ref.size else 0.0
     record_property("fa_compare", (err, tol))
     assert err <= tol, f"max error {err:.3g} > tolerance {tol:.3g}"
@@ -334,7 +334,8 @@ def _threshold_case(shape, dtype, causal):
     k = rng.standard_normal((B, Hkv, S, E)).astype(dtype)
     v = rng.standard_normal((B, Hkv, S, Ev)).astype(dtype)
     kw = dict(causal=causal) if lens is None else dict(causal=causal, kv_lengths=np.array(lens))
-    return q, k, v, kw, reference.attention(q, k, v, **kw), tolerance(q, k, v, **kw)
+    ref = reference.attention(q, k, v, **kw)
+    return q, k, v, kw, ref, tolerance(q, k, v, want=ref, **kw)
 
 
 @pytest.mark.parametrize("kw", [{}, dict(causal=True)], ids=["plain", "causal"])
