@@ -141,17 +141,18 @@ t0=$(date +%s)
 # Two pytest processes at once, each on half of the files: most tests are
 # small calls where Python, not the kernel's two threads, keeps a core busy.
 # The files are dealt heaviest first onto the lighter half, weighed by the
-# seconds each took here (stop 29, Zen 4, `--durations=0`, the halves at
-# once); a file not listed weighs 5. Split by file size before, the halves
-# took 164 and 277 s.
+# seconds each took under this script's build, two files at a time (stop 41,
+# Xeon with AMX: avx2, amx, sse2 and scalar sets; first measured at stop 29);
+# a file not listed weighs 4. Split by file size before, the halves took 164
+# and 277 s; by stop 29's weights at stop 41, 342 and 292 s in CI.
 harness_only=" test_c_api.py test_reference.py test_dtypes_reference.py test_benchmarks.py test_cli.py test_examples.py "
 seconds_under_asan() {
     case $1 in
-    test_reliability.py) echo 85 ;; test_dtypes.py) echo 67 ;; test_modifiers.py) echo 57 ;;
-    test_long_context.py) echo 50 ;; test_strategy.py) echo 48 ;; test_attention.py) echo 21 ;;
-    test_invariance.py) echo 19 ;; test_decode.py) echo 16 ;; test_threads.py) echo 13 ;;
-    test_properties.py) echo 7 ;; test_fuzz.py) echo 6 ;;
-    *) echo 5 ;;
+    test_reliability.py) echo 82 ;; test_strategy.py) echo 52 ;; test_invariance.py) echo 22 ;;
+    test_dtypes.py) echo 22 ;; test_attention.py) echo 20 ;; test_threads.py) echo 19 ;;
+    test_long_context.py) echo 19 ;; test_modifiers.py) echo 14 ;; test_decode.py) echo 13 ;;
+    test_amx.py) echo 10 ;; test_properties.py) echo 9 ;; test_fuzz.py) echo 8 ;; test_isa.py) echo 6 ;;
+    *) echo 4 ;;
     esac
 }
 half_a=() half_b=()
@@ -162,11 +163,11 @@ for f in $(cd tests && for f in test_*.py; do echo "$(seconds_under_asan "$f") $
     if [ "$load_a" -le "$load_b" ]; then half_a+=("tests/$f"); load_a=$((load_a + s))
     else half_b+=("tests/$f"); load_b=$((load_b + s)); fi
 done
-pytest_half() {  # pytest_half LOG FILES...: one half, its output to LOG
+pytest_half() {  # pytest_half LOG FILES...: one half, its output (and its 10 slowest tests) to LOG
     local out=$1
     shift
-    "$venv/bin/pytest" -q --capture=sys -p no:cacheprovider -k "not $LEAK_TEST and not c_decode_example" \
-        "$@" >"$out" 2>&1
+    "$venv/bin/pytest" -q --capture=sys -p no:cacheprovider --durations=10 \
+        -k "not $LEAK_TEST and not c_decode_example" "$@" >"$out" 2>&1
 }
 both_halves() {
     local rc_a rc_b
