@@ -40,6 +40,7 @@ static inline size_t dtype_bytes(int dtype) {
  * in double, chunks in order (the same bits for every thread count). A row
  * no chunk sees gets zeros and -inf; a NaN in any chunk makes the row NaN,
  * as it would unsplit. */
+#define FA_MERGE_RUN 256 /* output elements a row merged at a time (a stack buffer of doubles) */
 static void merge_parts(const fa_work *w, int64_t base, char *parts) {
     const fa_args *a = w->plan.a;
     const int f32 = a->dtype != FA_F64, out_dtype = w->plan.out_dtype;
@@ -64,13 +65,26 @@ static void merge_parts(const fa_work *w, int64_t base, char *parts) {
             sum += wgt[c]; /* a NaN top (or part) makes every weight NaN */
         }
         if (sink > -INFINITY) sum += exp(sink - top);
-        for (int64_t e = 0; e < Ev; e++) {
-            double acc = 0;
-            for (int64_t c = 0; c < nc; c++)
-                if (wgt[c] != 0) acc += wgt[c] * load_t(parts + (size_t)(base * nc + c) * w->part_bytes, o_off + e, f32);
-            /* rounded to the computation type first, as an unsplit call's output is */
-            const double o_e = top == -INFINITY ? 0 : acc / sum;
-            store_out(o, e, f32 ? (double)(float)o_e : o_e, out_dtype);
+        /* Each element's sum runs over the chunks in order, as above; the
+         * chunks are the outer loop, so each part's row is read as a run of
+         * Ev values (vectors), not one value from each of nc parts. */
+        for (int64_t e0 = 0; e0 < Ev; e0 += FA_MERGE_RUN) {
+            const int64_t n = Ev - e0 < FA_MERGE_RUN ? Ev - e0 : FA_MERGE_RUN;
+            double acc[FA_MERGE_RUN];
+            for (int64_t e = 0; e < n; e++) acc[e] = 0;
+            for (int64_t c = 0; c < nc; c++) {
+                if (wgt[c] == 0) continue;
+                const char *part = parts + (size_t)(base * nc + c) * w->part_bytes;
+                if (f32)
+                    for (int64_t e = 0; e < n; e++) acc[e] += wgt[c] * ((const float *)part)[o_off + e0 + e];
+                else
+                    for (int64_t e = 0; e < n; e++) acc[e] += wgt[c] * ((const double *)part)[o_off + e0 + e];
+            }
+            for (int64_t e = 0; e < n; e++) {
+                /* rounded to the computation type first, as an unsplit call's output is */
+                const double o_e = top == -INFINITY ? 0 : acc[e] / sum;
+                store_out(o, e0 + e, f32 ? (double)(float)o_e : o_e, out_dtype);
+            }
         }
         if (!a->lse) continue;
         store_t(a->lse, it.b * a->lse_stride[0] + h * a->lse_stride[1] + i * a->lse_stride[2],

@@ -430,10 +430,14 @@ static void FN(rows_modify)(const fa_args *a, T *st, int64_t rows, int64_t j0, i
     }
 }
 
-/* Online softmax of one block, row by row (as in softmax_block). */
+/* Online softmax of one block, row by row (as in softmax_block). The rows'
+ * rescale factors alpha take one exponential a vector of rows, not one a
+ * row (lanes are independent: the same bits). */
 static void FN(rows_softmax)(T *st, int64_t rows, int64_t nb, T *m, T *l, T *alpha) {
     const int64_t nbv = (nb + W - 1) / W;
     const T log2e = (T)1.4426950408889634074;
+    T block_sum[FA_FEW];
+    VT shift[(FA_FEW + W - 1) / W] = {{0}}; /* (m_old − m_new)·log2 e, a lane a row */
     for (int64_t r = 0; r < rows; r++) {
         T *s = st + r * FA_BK;
         for (int64_t j = nb; j < nbv * W; j++) s[j] = -(T)INFINITY; /* pad the last vector */
@@ -441,11 +445,35 @@ static void FN(rows_softmax)(T *st, int64_t rows, int64_t nb, T *m, T *l, T *alp
         for (int64_t u = 0; u < nbv; u++) mx = FN(v_max)(mx, FN(v_loadu)(s + u * W));
         const T m_new = FN(v_hmax)(mx), m_sub = m_new == -(T)INFINITY ? 0 : m_new;
         const VT sum = FN(exp2_shifted)((VT *)s, 1, nbv, FN(v_splat)(m_sub)); /* whole vectors, aligned (rows_modify) */
-        alpha[r] = FN(v_exp2)(FN(v_splat)((m[r] - m_sub) * log2e))[0];
-        l[r] = l[r] * alpha[r] + FN(v_hsum)(sum);
+        shift[r / W][r % W] = (m[r] - m_sub) * log2e;
+        block_sum[r] = FN(v_hsum)(sum);
         m[r] = m_new;
     }
+    for (int64_t u = 0; u * W < rows; u++) {
+        const VT a = FN(v_exp2)(shift[u]);
+        for (int64_t r = u * W; r < rows && r < (u + 1) * W; r++) alpha[r] = a[r % W];
+    }
+    for (int64_t r = 0; r < rows; r++) l[r] = l[r] * alpha[r] + block_sum[r];
 }
+
+#if defined(FA_KV_I8)
+/* st[r][j] *= scale_j (int8 storage: a key's score, or its p before P·V),
+ * the block's scales read once into vectors of W keys for all its rows; a
+ * last part vector key by key, so lanes past nb are never touched. */
+static void FN(rows_scale)(T *sb, int64_t rows, const float *scale, int64_t scale_rs, int64_t nb) {
+    int64_t j0 = 0;
+    for (; j0 + W <= nb; j0 += W) {
+        VT sc;
+        for (int i = 0; i < W; i++) sc[i] = scale[(j0 + i) * scale_rs];
+        for (int64_t r = 0; r < rows; r++) {
+            VT *x = (VT *)(sb + r * FA_BK + j0); /* whole vectors: FA_BK is a multiple of W, st is aligned */
+            *x *= sc;
+        }
+    }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = j0; j < nb; j++) sb[r * FA_BK + j] *= scale[j * scale_rs];
+}
+#endif
 
 static void FN(rows_item)(const fa_plan *p, const fa_item *it, void *scratch) {
     const fa_args *a = p->a;
@@ -516,15 +544,13 @@ static void FN(rows_item)(const fa_plan *p, const fa_item *it, void *scratch) {
 #undef FA_CALL
         }
 #if defined(FA_KV_I8)
-        for (int64_t r = 0; r < rows; r++) /* s = (q · k8) · k_scale */
-            for (int64_t j = 0; j < nb; j++) sb[r * FA_BK + j] *= ks[(j0 + j) * ks_rs];
+        FN(rows_scale)(sb, rows, ks + j0 * ks_rs, ks_rs, nb); /* s = (q · k8) · k_scale */
 #endif
         if (modify) FN(rows_modify)(a, sb, rows, j0, nb, neg_slope, diag);
         FN(mask_block)(sb, FA_BK, 1, a, &f, lo, hi, m_row, rows, j0, nb);
         FN(rows_softmax)(sb, rows, nb, m, l, alpha);
 #if defined(FA_KV_I8)
-        for (int64_t r = 0; r < rows; r++) /* p·(v8·v_scale) = (p·v_scale)·v8; l already has p */
-            for (int64_t j = 0; j < nb; j++) sb[r * FA_BK + j] *= vs[(j0 + j) * vs_rs];
+        FN(rows_scale)(sb, rows, vs + j0 * vs_rs, vs_rs, nb); /* p·(v8·v_scale) = (p·v_scale)·v8; l already has p */
 #endif
 #define FA_VALUES(R, G) FN(dot_values_n)(R, G, os, nEv, sb, v + j0 * v_rs, v_rs, Ev, nb, alpha, j0 == fresh)
 #define FA_CALL(R)                                                          \
