@@ -35,12 +35,13 @@ static inline size_t dtype_bytes(int dtype) {
     return dtype == FA_F64 ? 8 : dtype == FA_F32 ? 4 : dtype == FA_I8 ? 1 : 2;
 }
 
+#define FA_MERGE_RUN 256 /* output elements a row merged at a time (a stack buffer of doubles) */
+
 /* Merges the split-KV parts of row block `base` into out and lse:
  *     lse = log Σ_c e^(lse_c),   out = Σ_c e^(lse_c − lse) · out_c
  * in double, chunks in order (the same bits for every thread count). A row
  * no chunk sees gets zeros and -inf; a NaN in any chunk makes the row NaN,
  * as it would unsplit. */
-#define FA_MERGE_RUN 256 /* output elements a row merged at a time (a stack buffer of doubles) */
 static void merge_parts(const fa_work *w, int64_t base, char *parts) {
     const fa_args *a = w->plan.a;
     const int f32 = a->dtype != FA_F64, out_dtype = w->plan.out_dtype;

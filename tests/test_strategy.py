@@ -195,3 +195,20 @@ def test_sub_blocks_compute_what_items_of_their_rows_do(isa, kind, opt):
         # rows that are not a whole number of blocks: other cuts, same answer within tolerance
         odd = _api.attention_with(q, k, v, {"layout": "lanes", "rows_per_item": most - 3, "chunk_keys": chunk}, **kw)
         assert float(np.max(np.abs(odd - want))) <= tol
+
+
+@pytest.mark.parametrize("dtype", [f32, f64])
+def test_split_kv_merge_of_rows_wider_than_one_merge_run(isa, dtype):
+    """Ev over the 256 output elements the split-KV merge takes at a time
+    (FA_MERGE_RUN in src_c/attention.c): each run of a row is merged from its
+    own columns of every chunk's part."""
+    rng = np.random.default_rng(zlib.crc32(b"merge runs"))
+    q = rng.standard_normal((1, 2, 1, 16)).astype(dtype)
+    k = rng.standard_normal((1, 2, 300, 16)).astype(dtype)
+    v = rng.standard_normal((1, 2, 300, 600)).astype(dtype)
+    strategy = {"chunk_keys": 64, "threads": 2}
+    assert planned(q, k, v, strategy)["key_chunks"] == 5
+    want = reference.attention(q, k, v)
+    got = _api.attention_with(q, k, v, strategy)
+    err = float(np.max(np.abs(got.astype(f64) - want)))
+    assert err <= tolerance(q, k, v, want=want), f"max error {err:.3g}"
