@@ -345,13 +345,21 @@ def test_bitwise_at_every_strategy_threshold(isa, dtype, kw, record_property):
     and each result is within tolerance of the reference."""
     serial_seen = team_seen = False
     shapes = _threshold_shapes(dtype)
+    # Under ASan (tools/sanitize.sh) only 64 beside 1 and the default: the
+    # plan (items, key chunks, the merge) is the same at every count, which is
+    # what the plain build's bits show, and the pool hands items out one at a
+    # time to whichever thread asks (src_c/pool.c), so the memory a call
+    # touches differs between counts only in the per-thread scratch, where 64
+    # (the widest team) reaches furthest. Half the calls, in CI's slowest
+    # sanitizer test.
+    counts = (64,) if UNDER_ASAN else (2, 3, 8, 64)
     for shape in shapes:
         q, k, v, call, ref, tol = _threshold_case(shape, dtype, kw.get("causal", False))
         serial = planned(q, k, v, num_threads=8, **call)["serial"]
         serial_seen |= serial
         team_seen |= not serial
         base, base_lse = fastattn.attention(q, k, v, num_threads=1, return_lse=True, **call)
-        for n in (2, 3, 8, 64):
+        for n in counts:
             got, lse = fastattn.attention(q, k, v, num_threads=n, return_lse=True, **call)
             assert _bitwise(got, base) and _bitwise(lse, base_lse), f"num_threads={n} changed bits at {shape}"
         assert _bitwise(fastattn.attention(q, k, v, **call), base)  # the API's fast path too
@@ -359,7 +367,7 @@ def test_bitwise_at_every_strategy_threshold(isa, dtype, kw, record_property):
         record_property("fa_compare", (err, tol))
         assert err <= tol, f"max error {err:.3g} > tolerance {tol:.3g} at {shape}"
     assert serial_seen and team_seen
-    record_property("fa_measure", {"threshold_shapes": len(shapes), "thread_counts": 5})
+    record_property("fa_measure", {"threshold_shapes": len(shapes), "thread_counts": 1 + len(counts)})
 
 
 # --------------------------------------------------------------------------
