@@ -475,9 +475,10 @@ static void FN(rows_scale)(T *sb, int64_t rows, const float *scale, int64_t scal
 }
 #endif
 
-static void FN(rows_item)(const fa_plan *p, const fa_item *it, void *scratch) {
+static inline __attribute__((always_inline)) void FN(rows_item_n)(const fa_plan *p, const fa_item *it, void *scratch,
+                                                                 const int64_t rows) {
     const fa_args *a = p->a;
-    const int64_t E = a->E, Ev = a->Ev, rows = it->rows;
+    const int64_t E = a->E, Ev = a->Ev;
     const int64_t nE = (E + W - 1) / W, nEv = (Ev + W - 1) / W;
     const KV *k = (const KV *)a->k + it->b * a->k_stride[0] + it->hk * a->k_stride[1];
     const KV *v = (const KV *)a->v + it->b * a->v_stride[0] + it->hk * a->v_stride[1];
@@ -519,8 +520,8 @@ static void FN(rows_item)(const fa_plan *p, const fa_item *it, void *scratch) {
     }
     if (f.j_begin >= f.j_end)
         for (int64_t u = 0; u < rows * nEv; u++) os[u] = (VT){0};
-    T neg_slope[FA_FEW], sink[FA_FEW];
-    int64_t diag[FA_FEW];
+    T neg_slope[FA_FEW] = {0}, sink[FA_FEW]; /* zeros: item_mods fills them where they are read (ALiBi), */
+    int64_t diag[FA_FEW] = {0};               /* which GCC cannot see in rows_item_one */
     const int modify = a->softcap > 0 || a->alibi_slopes;
     if (a->alibi_slopes || a->sinks) FN(item_mods)(p, it, rows, neg_slope, diag, sink);
     else for (int64_t r = 0; r < rows; r++) sink[r] = -(T)INFINITY;
@@ -595,6 +596,27 @@ static void FN(rows_item)(const fa_plan *p, const fa_item *it, void *scratch) {
         FN(out_put)(p, it, o_off, o_r, Ev);
         if (lse) lse[lse_off] = lse_r;
     }
+}
+
+/* One row (decoding one query a K/V head) is compiled apart from items of
+ * several rows: rows_item_n with rows the constant 1 leaves only its own
+ * loops, and the several-row function none of them. In one function, GCC
+ * allocated registers and stack across every row count, so a change to one
+ * row's loop moved the multi-query float32 time by 8 % with its own code
+ * unchanged (Zen 4, docs/tuning.md "Stop 43"). */
+static __attribute__((noinline)) void FN(rows_item_one)(const fa_plan *p, const fa_item *it, void *scratch) {
+    FN(rows_item_n)(p, it, scratch, 1);
+}
+
+static __attribute__((noinline)) void FN(rows_item_many)(const fa_plan *p, const fa_item *it, void *scratch) {
+    const int64_t rows = it->rows;
+    if (rows < 2) __builtin_unreachable(); /* rows_item sends one row elsewhere */
+    FN(rows_item_n)(p, it, scratch, rows);
+}
+
+static void FN(rows_item)(const fa_plan *p, const fa_item *it, void *scratch) {
+    if (it->rows == 1) FN(rows_item_one)(p, it, scratch);
+    else FN(rows_item_many)(p, it, scratch);
 }
 
 #undef FA_FEW

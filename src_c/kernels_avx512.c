@@ -35,7 +35,8 @@
  * memory (internal.h). With a register operand, on a Xeon from memory
  * (1x32x1x4096x128, 1 and 2 threads): float32 0.93-0.96 of the time,
  * float16 0.89-0.96, int8 0.81-0.90 (E = 64: 0.65); from L2/L3 0.97-1.18,
- * one tiny call 1.30 ("Stop 33"). Items of 2-4 rows of
+ * one tiny call 1.30 ("Stop 33"); the avx512bf16 set, run by AMD's Zen 4
+ * and 5, asks for int8 only (kernels_avx512bf16.c). Items of 2-4 rows of
  * float32 or float64, which do not ask for V with their scores, ask for the
  * next block's V in their P·V (1x32/8x1x8192x128 float32 0.87-0.89; 16-bit
  * and int8, which ask for V with their scores, 1.05-1.08 that way). */
