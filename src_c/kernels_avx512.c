@@ -19,8 +19,8 @@
 #define FA_BK 64
 #endif
 /* Row layout (kernel_rows.h), measured on Zen 4 (docs/tuning.md, "Stop 25"):
- * up to 4 rows read V a whole row at a time (4 vectors at E <= 64), 8 rows 4
- * vectors at a time (the amx set: 2, kernels_amx.c); items of more than 4
+ * up to 4 rows read V a whole row at a time (4 vectors at E <= 64), 5-8
+ * rows 2 vectors at a time (below); items of more than 4
  * rows of float32, or more than 2 of 16-bit or int8 storage, ask for a
  * block's V rows with its scores, and one row computes the scores of 64
  * blocks at a time (4096 keys: K and V each
@@ -41,9 +41,15 @@
  * next block's V in their P·V (1x32/8x1x8192x128 float32 0.87-0.89; 16-bit
  * and int8, which ask for V with their scores, 1.05-1.08 that way). */
 #define FA_ROWS_WHOLE_MAX 4
-#ifndef FA_ROWS_MANY_G /* the amx set chooses its own (kernels_amx.c) */
-#define FA_ROWS_MANY_G 4
-#endif
+/* Items of 5-8 rows (multi-query decoding) take P·V 2 vectors at a time.
+ * 8 rows of 4 vectors need 32 accumulators, all 32 registers, so some live
+ * in memory, a load and a store a key; 4 measured fastest on Zen 4 at stop
+ * 25, but with the scores as they are since stop 40, 2 took 0.89-0.92 of
+ * the time there from memory (float32, float16, int8; 1 and 2 threads) and
+ * 0.78-0.94 from cache (Zen 4, "Stop 43"), and on a Sapphire Rapids Xeon
+ * (the amx set) 0.89-0.94 from memory, 0.91-0.96 from cache ("Stop 34").
+ * G changes no bits: each sum runs over the keys in order for any G. */
+#define FA_ROWS_MANY_G 2
 #define FA_ROW_SHORT_G4 1
 #define FA_ROW_KEYS (sizeof(KV) == 1 ? 4 : 1)
 #define FA_ROW_SUPER 64
