@@ -44,8 +44,8 @@
 /* Items of 5-8 rows (multi-query decoding) take P·V 2 vectors at a time.
  * 8 rows of 4 vectors need 32 accumulators, all 32 registers, so some live
  * in memory, a load and a store a key; 4 measured fastest on Zen 4 at stop
- * 25, but with the scores as they are since stop 40, 2 took 0.89-0.92 of
- * the time there from memory (float32, float16, int8; 1 and 2 threads) and
+ * 25, but with the scores as they are since stop 40, 2 took 0.89-0.96 of
+ * the time there from memory (every dtype; 1 and 2 threads) and
  * 0.78-0.94 from cache (Zen 4, "Stop 43"), and on a Sapphire Rapids Xeon
  * (the amx set) 0.89-0.94 from memory, 0.91-0.96 from cache ("Stop 34").
  * G changes no bits: each sum runs over the keys in order for any G. */
